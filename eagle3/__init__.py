@@ -1,0 +1,1 @@
+"""EAGLE-3 draft model and its training maths. No I/O orchestration lives here."""

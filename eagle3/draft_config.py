@@ -1,0 +1,70 @@
+"""Architecture of the EAGLE-3 draft: one Llama decoder layer over the target's features."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from eagle3.layer_ids import validate_capture_ids
+from eagle3.schema import ConfigError
+from eagle3.target_spec import TargetSpec
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the target's vocabulary (embeddings are the target's)
+    draft_vocab_size: int  # the draft's lm_head rows (most frequent target tokens)
+    target_hidden_size: int  # width of each captured target state
+    target_num_layers: int
+    capture_layer_ids: list[int] = field(default_factory=list)
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+
+    def validate(self, where: str = "draft") -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"{where}.num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"{where}.head_dim={self.head_dim} must be even for rotary embeddings")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ConfigError(
+                f"{where}.draft_vocab_size={self.draft_vocab_size} must lie in 1..{self.vocab_size} "
+                "(the target's vocab size)"
+            )
+        validate_capture_ids(self.capture_layer_ids, self.target_num_layers, f"{where}.capture_layer_ids")
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.capture_layer_ids)
+
+    @classmethod
+    def for_target(
+        cls,
+        target: TargetSpec,
+        draft_vocab_size: int,
+        intermediate_size: int | None = None,
+    ) -> "DraftConfig":
+        """The usual EAGLE-3 draft: the target's width, heads and rotary settings."""
+        cfg = cls(
+            hidden_size=target.hidden_size,
+            num_attention_heads=target.num_attention_heads,
+            num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.resolved_head_dim,
+            intermediate_size=intermediate_size or target.intermediate_size,
+            vocab_size=target.vocab_size,
+            draft_vocab_size=min(draft_vocab_size, target.vocab_size),
+            target_hidden_size=target.hidden_size,
+            target_num_layers=target.num_layers,
+            capture_layer_ids=target.capture_ids,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+            max_position_embeddings=target.max_position_embeddings,
+        )
+        cfg.validate()
+        return cfg

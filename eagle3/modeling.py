@@ -1,0 +1,167 @@
+"""The EAGLE-3 draft, written to read like the paper and to load in SGLang as is.
+
+    h0   = fc(cat(target states of the captured layers))          # n*H_t -> H
+    x    = cat(input_layernorm(embed(token)), hidden_norm(h))     # 2H wide
+    a    = h + o_proj(attention(q_proj(x), k_proj(x), v_proj(x)))
+    out  = a + mlp(post_attention_layernorm(a))                   # the draft's hidden state
+    p    = softmax(lm_head(norm(out)))                            # over the draft vocabulary
+
+`out` (before the final norm) is what the next drafting step reads as its hidden state,
+as SGLang's `LlamaForCausalLMEagle3` does. Parameter names follow that class's checkpoint
+layout (`fc`, `midlayer.*`, `norm`, `lm_head`, buffers `d2t`, `t2d`), so export is a save.
+
+Attention is delegated to a state object (see `eagle3.attention`): the same layer runs the
+training-time-test unroll and the step-by-step KV-cache decode used at inference.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle3.attention import AttentionState, upcast
+from eagle3.draft_config import DraftConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 (as Llama does) so bf16 inputs do not lose the mean square.
+        dtype = x.dtype
+        x32 = upcast(x)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [B, T, head_dim] for integer positions [B, T] (Llama/NeoX layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = positions.to(torch.float32)[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, T, head_dim]; rotate pairs (i, i + d/2) as HF's `rotate_half`."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    cos = cos[:, None].to(x.dtype)
+    sin = sin[:, None].to(x.dtype)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        width_in = 2 * cfg.hidden_size  # embeddings and hidden state side by side
+        self.q_proj = nn.Linear(width_in, cfg.num_attention_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(width_in, cfg.num_key_value_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(width_in, cfg.num_key_value_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, state: AttentionState) -> torch.Tensor:
+        b, t, _ = x.shape
+        c = self.cfg
+        q = self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_theta)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # Grouped-query attention: query head h reads key/value head h // group (HF order).
+        group = c.num_attention_heads // c.num_key_value_heads
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        out = state.attend(q, k, v)  # [B, heads, T, head_dim]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """SGLang's `midlayer`: a Llama layer whose attention reads [embeds, hidden] (2H wide)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, embeds, hidden, positions, state: AttentionState) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        a = hidden + self.self_attn(x, positions, state)
+        return a + self.mlp(self.post_attention_layernorm(a))
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        # A frozen copy of the target's input embeddings (set with `load_target_embeddings`).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = DecoderLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        # d2t[i]: offset with target_id = i + d2t[i]; t2d: which target ids the draft has.
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.t2d[: cfg.draft_vocab_size] = True
+
+    # --- wiring -----------------------------------------------------------------------
+    def load_target_embeddings(self, weight: torch.Tensor) -> None:
+        if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
+            raise ValueError(
+                f"target embeddings have shape {tuple(weight.shape)} but the draft expects "
+                f"[vocab_size={self.cfg.vocab_size}, hidden_size={self.cfg.hidden_size}]"
+            )
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight)
+
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(
+                f"vocab mapping shapes d2t{tuple(d2t.shape)}/t2d{tuple(t2d.shape)} do not match the "
+                f"draft's draft_vocab_size={self.cfg.draft_vocab_size}, vocab_size={self.cfg.vocab_size}"
+            )
+        if int(t2d.sum()) != self.cfg.draft_vocab_size:
+            raise ValueError(f"t2d marks {int(t2d.sum())} tokens, expected {self.cfg.draft_vocab_size}")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    # --- the maths --------------------------------------------------------------------
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """[..., n * H_target] captured target states -> [..., H] first hidden input."""
+        expected = self.cfg.num_aux * self.cfg.target_hidden_size
+        if aux.shape[-1] != expected:
+            raise ValueError(
+                f"aux hidden states are {aux.shape[-1]} wide, expected {expected} = "
+                f"{self.cfg.num_aux} captured layers x target_hidden_size {self.cfg.target_hidden_size}"
+            )
+        return self.fc(aux.to(self.fc.weight.dtype))  # stored states may be bf16
+
+    def step(self, input_ids, hidden, positions, state: AttentionState) -> torch.Tensor:
+        """One drafting step for a block of rows; returns the pre-norm hidden state."""
+        return self.midlayer(self.embed_tokens(input_ids), hidden, positions, state)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))

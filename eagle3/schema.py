@@ -1,0 +1,101 @@
+"""Strict conversion of plain dicts (e.g. Hydra's) into small config dataclasses.
+
+Unknown keys are refused and wrong types are named by their dotted path, so a typo in
+an override (`train.ttt_lenght=5`) fails loudly instead of being silently ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Mapping, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, or contradicts another artefact."""
+
+
+def _check_type(value: Any, annotation: Any, path: str) -> Any:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if annotation is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check_type(value, arg, path)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{path}: bad value {value!r}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{path}={value!r} is not one of {list(args)}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path} must be a list, got {type(value).__name__} {value!r}")
+        item = args[0] if args else Any
+        return [_check_type(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path} must be a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(annotation):
+        return from_dict(annotation, value, path)
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path} must be a number, got {value!r}")
+        return float(value)
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path} must be an integer, got {value!r}")
+        return value
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path} must be true or false, got {value!r}")
+        return value
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any] | None, path: str = "") -> T:
+    """Build dataclass `cls` from `data`, refusing unknown keys and wrong types."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path or cls.__name__} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = path or cls.__name__
+        raise ConfigError(
+            f"{where}: unknown key(s) {unknown}; known keys are {sorted(fields)}"
+        )
+    kwargs = {}
+    for name, field in fields.items():
+        sub = f"{path}.{name}" if path else name
+        if name in data:
+            kwargs[name] = _check_type(data[name], hints[name], sub)
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{sub} is required")
+    obj = cls(**kwargs)
+    check = getattr(obj, "validate", None)
+    if callable(check):
+        check(path or cls.__name__)
+    return obj
+
+
+def to_dict(obj: Any) -> dict:
+    """A plain, JSON-ready dict of a config dataclass (for provenance records)."""
+    return dataclasses.asdict(obj)

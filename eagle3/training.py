@@ -1,0 +1,163 @@
+"""One flat single-process training loop over in-memory batches.
+
+The distributed trainer (Ray Train + DeepSpeed) wraps `train_step`; tests and the CPU
+default call `train_in_memory` directly. A batch is a dict of tensors:
+
+    input_ids [B, T] int64      loss_mask [B, T]      attention_mask [B, T] (right padding)
+    aux [B, T, n*H_t]           final [B, T, H_t]     (target states, see storage/)
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Literal
+
+import torch
+
+from eagle3.metrics import acceptance
+from eagle3.modeling import Eagle3Draft
+from eagle3.schema import ConfigError
+from eagle3.target_head import TargetHead
+from eagle3.ttt import TTTConfig, add_noise, score_steps, step_weights, unroll
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 0.5
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+
+    def validate(self, where: str = "optim") -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"{where}.lr must be positive, got {self.lr}")
+        if len(self.betas) != 2:
+            raise ConfigError(f"{where}.betas must have two values, got {self.betas}")
+
+
+@dataclass
+class LoopConfig:
+    steps: int = 100
+    ttt: TTTConfig = field(default_factory=TTTConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    # bf16 autocast: on AMX CPUs and GPUs the matmuls run several times faster (bench/).
+    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    acceptance_k: int = 4  # draft tokens per target pass in the simulated acceptance
+    log_every: int = 10
+    seed: int = 0
+
+
+def lr_at(step: int, total: int, cfg: OptimConfig) -> float:
+    """Linear warmup, then cosine decay to `min_lr_ratio * lr`."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+def make_optimizer(draft: Eagle3Draft, cfg: OptimConfig) -> torch.optim.Optimizer:
+    params = [p for p in draft.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas))
+
+
+def forward_batch(draft, head: TargetHead, batch: dict, ttt: TTTConfig, train: bool, generator=None):
+    """Unroll and score one batch; returns StepScores (loss differentiable when train)."""
+    aux = batch["aux"]
+    if train:
+        aux = add_noise(aux, ttt.noise, generator)
+    probs, best = head(batch["final"], draft.draft_to_target(torch.arange(draft.cfg.draft_vocab_size)))
+    hiddens = unroll(draft, batch["input_ids"], aux, batch["attention_mask"], ttt.length)
+    weights = step_weights(batch["loss_mask"], batch["attention_mask"], ttt.length)
+    return score_steps(draft, hiddens, probs, best, weights, ttt.decay)
+
+
+def _autocast(dtype: str, device: torch.device):
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+
+
+def train_step(draft, head, batch, cfg: LoopConfig, optimizer, step: int, total: int, generator=None) -> dict:
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, total, cfg.optim)
+    draft.train()
+    device = batch["input_ids"].device
+    with _autocast(cfg.compute_dtype, device):
+        scores = forward_batch(draft, head, batch, cfg.ttt, train=True, generator=generator)
+    optimizer.zero_grad(set_to_none=True)
+    scores.loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(
+        [p for p in draft.parameters() if p.requires_grad], cfg.optim.grad_clip
+    )
+    optimizer.step()
+    return {
+        "step": step, "loss": float(scores.loss.detach()), "lr": optimizer.param_groups[0]["lr"],
+        "grad_norm": float(grad_norm), "step_acc": scores.step_acc, "step_loss": scores.step_loss,
+    }
+
+
+@torch.no_grad()
+def evaluate(draft, head, batches: Iterable[dict], cfg: LoopConfig) -> dict:
+    """Per-step accuracy and simulated acceptance (walk and per-position average)."""
+    draft.eval()
+    total_acc = None
+    hits = [0.0] * cfg.ttt.length
+    counts = [0.0] * cfg.ttt.length
+    for batch in batches:
+        with _autocast(cfg.compute_dtype, batch["input_ids"].device):
+            s = forward_batch(draft, head, batch, cfg.ttt, train=False)
+        for j in range(cfg.ttt.length):
+            w = s.weights[..., j]
+            hits[j] += float((s.correct[..., j].float() * w).sum())
+            counts[j] += float(w.sum())
+        acc = acceptance(s.correct, batch["loss_mask"], batch["attention_mask"], cfg.acceptance_k)
+        total_acc = acc if total_acc is None else total_acc.merge(acc)
+    out = {"step_acc": [h / c if c else float("nan") for h, c in zip(hits, counts)]}
+    if total_acc is not None:
+        out.update(total_acc.as_dict())
+    return out
+
+
+def train_in_memory(
+    draft: Eagle3Draft,
+    head: TargetHead,
+    batches: list[dict],
+    cfg: LoopConfig,
+    eval_batches: list[dict] | None = None,
+    log: Callable[[dict], None] | None = None,
+    resume: dict | None = None,
+    checkpoint: Callable[[int, torch.optim.Optimizer, torch.Generator], None] | None = None,
+    checkpoint_every: int = 0,
+) -> list[dict]:
+    """Cycle over `batches` until `cfg.steps`; returns the per-step records.
+
+    `resume` (from a checkpoint: `step`, `optimizer` state, `generator` state) continues
+    where a run stopped, with the same data order, schedule and noise stream; `checkpoint`
+    is called every `checkpoint_every` steps and at the end.
+    """
+    if not batches:
+        raise ValueError("train_in_memory got no batches")
+    torch.manual_seed(cfg.seed)
+    generator = torch.Generator(device=batches[0]["input_ids"].device).manual_seed(cfg.seed)
+    optimizer = make_optimizer(draft, cfg.optim)
+    start = 0
+    if resume is not None:
+        start = int(resume["step"])
+        optimizer.load_state_dict(resume["optimizer"])
+        generator.set_state(resume["generator"])
+    history = []
+    t0 = time.perf_counter()
+    for step in range(start, cfg.steps):
+        record = train_step(draft, head, batches[step % len(batches)], cfg, optimizer, step, cfg.steps, generator)
+        record["elapsed_s"] = time.perf_counter() - t0
+        done = step + 1
+        if eval_batches is not None and (done % cfg.log_every == 0 or done == cfg.steps):
+            record["eval"] = evaluate(draft, head, eval_batches, cfg)
+        history.append(record)
+        if log is not None and (done % cfg.log_every == 0 or step == start or done == cfg.steps):
+            log(record)
+        if checkpoint is not None and ((checkpoint_every and done % checkpoint_every == 0) or done == cfg.steps):
+            checkpoint(done, optimizer, generator)
+    return history

@@ -1,0 +1,26 @@
+import os
+
+# Tests run on CPU with few threads, W&B offline, DeepSpeed told there is no GPU.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory):
+    """The `tiny` preset, prepared once per test session (a ~15 s build)."""
+    import yaml
+    from pathlib import Path
+
+    from eagle3.schema import from_dict
+    from eagle3.target_spec import TargetSpec
+    from workflows.target import prepare_target
+
+    conf = Path(__file__).resolve().parents[1] / "conf" / "target" / "tiny.yaml"
+    spec = from_dict(TargetSpec, yaml.safe_load(conf.read_text()), "target")
+    # <cache>/targets/tiny, the layout workflows.full uses for cache_dir=<cache>.
+    return prepare_target(spec, tmp_path_factory.mktemp("cache") / "targets", log=lambda _m: None)

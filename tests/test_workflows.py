@@ -1,0 +1,131 @@
+"""The stages end to end on the tiny target: outputs, reuse, resume, and config refusals."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
+
+from eagle3.schema import ConfigError
+from workflows import full, train as train_stage
+from workflows.config import load_config
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def compose_cfg(*overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return load_config(compose("full", overrides=list(overrides)))
+
+
+def tiny_cfg(tiny_target, run_dir, *extra):
+    return compose_cfg(
+        "target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={run_dir}",
+        "data.limit=16", "data.max_new_tokens=24", "data.heldout_fraction=0.25",
+        "train.steps=12", "train.checkpoint_every=4", "train.log_every=4", "train.batch_size=4",
+        "train.optim.lr=3e-3", "train.compute_dtype=float32", *extra,
+    )
+
+
+def test_default_config_composes():
+    cfg = compose_cfg()
+    assert cfg.target.name == "smollm2_135m"
+    assert cfg.target.capture_ids == [1, 14, 26]
+    assert cfg.draft.draft_vocab_size is None  # chosen from the data by the vocab stage
+    assert cfg.train.ttt.length == 7 and cfg.train.ttt.decay == 0.8
+
+
+def test_auto_draft_vocab_size():
+    from workflows.config import auto_draft_vocab_size
+
+    assert auto_draft_vocab_size(163840, 90_000) == 32000  # real corpora: the usual size
+    assert auto_draft_vocab_size(49152, 1106) == 4096  # small corpus: 2x distinct, power of two
+    assert auto_draft_vocab_size(1024, 435) == 256  # capped at a quarter of the vocab
+    assert auto_draft_vocab_size(1024, 3) == 256
+
+
+@pytest.mark.parametrize("override, message", [
+    ("target.capture_layer_ids=[1,2,6]", r"target.capture_layer_ids\[2\]=6 is out of range for a 6-layer target"),
+    ("+train.ttt.lenght=3", r"train.ttt: unknown key\(s\) \['lenght'\]"),
+    ("train.acceptance_k=9", "train.acceptance_k=9 exceeds train.ttt.length=7"),
+    ("stages=[train,serve]", r"unknown stage\(s\) \['serve'\]"),
+    ("train.ttt.decay=1.5", r"train.ttt.decay must lie in \(0, 1\]"),
+    ("target.num_layers=0", "target.num_layers must be positive"),
+])
+def test_bad_config_is_refused_naming_the_field(override, message):
+    with pytest.raises(ConfigError, match=message):
+        compose_cfg("target=tiny", override)
+
+
+def test_hidden_size_mismatch_is_refused(tiny_target, tmp_path):
+    # A user's own checkpoint (source=hf) whose config contradicts the preset.
+    cfg = tiny_cfg(tiny_target, tmp_path, "target.source=hf", f"target.path={tiny_target}", "target.hidden_size=96")
+    with pytest.raises(ConfigError, match="target.hidden_size=96 contradicts the checkpoint's hidden_size=64"):
+        full.run(cfg)
+    assert not (tmp_path / "generate").exists()
+
+
+@pytest.mark.slow
+def test_pipeline_runs_reuses_and_resumes_exactly(tiny_target, tmp_path, monkeypatch):
+    cfg = tiny_cfg(tiny_target, tmp_path / "a")
+    out = full.run(cfg)
+    metrics = json.loads((out["train"] / "metrics.json").read_text())
+    assert metrics["k"] == 4 and len(metrics["step_acc"]) == 7
+    assert metrics["acceptance_walk"] >= 1.0
+    draft_dir = out["train"] / "draft"
+    weights = load_file(str(draft_dir / "draft.safetensors"))
+    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight", "norm.weight",
+            "lm_head.weight", "d2t", "t2d"} <= set(weights)
+    assert "embed_tokens.weight" not in weights  # the target's, not copied
+    prov = json.loads((draft_dir / "provenance.json").read_text())
+    assert prov["capture_layer_ids"] == [0, 2, 4] and prov["layer_id_convention"] == "output_of_layer"
+    assert prov["target"]["chat_template_sha256"]
+
+    # A rerun reuses every stage.
+    logs = []
+    monkeypatch.setattr(train_stage, "log", logs.append)
+    full.run(cfg)
+    assert any("train: reusing" in m for m in logs)
+
+    # Stop a second run after 6 of 12 steps (checkpoint at 4), rerun it: the final draft is
+    # bit-identical to the uninterrupted run's (weights, optimizer, data position, noise RNG).
+    cfg_b = tiny_cfg(tiny_target, tmp_path / "b")
+    real_step = train_stage.train_in_memory.__globals__["train_step"]
+    calls = {"n": 0}
+
+    def dying_step(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 6:
+            raise KeyboardInterrupt("simulated kill")
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setitem(train_stage.train_in_memory.__globals__, "train_step", dying_step)
+    with pytest.raises(KeyboardInterrupt):
+        full.run(cfg_b)
+    assert not (tmp_path / "b" / "train" / "DONE.json").exists()
+    assert json.loads((tmp_path / "b" / "train" / "checkpoint" / "loop.json").read_text())["step"] == 4
+    monkeypatch.setitem(train_stage.train_in_memory.__globals__, "train_step", real_step)
+    logs.clear()
+    out_b = full.run(cfg_b)
+    assert any("resuming from step 4" in m for m in logs)
+    resumed = load_file(str(out_b["train"] / "draft" / "draft.safetensors"))
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, resumed[name]), name
+
+
+@pytest.mark.slow
+def test_tiny_draft_learns_within_a_minute(tiny_target, tmp_path):
+    """The foundation's promise: a minute of training on the tiny target lifts acceptance."""
+    cfg = compose_cfg(
+        "target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={tmp_path}",
+        "data.max_new_tokens=64", "train.steps=150", "train.optim.lr=3e-3", "train.compute_dtype=float32",
+        "train.ttt.noise.std=0.01", "train.log_every=50",
+    )
+    out = full.run(cfg)
+    metrics = json.loads((out["train"] / "metrics.json").read_text())
+    assert metrics["acceptance_walk"] > 1.3, metrics
+    assert metrics["step_acc"][0] > 0.25, metrics
+    assert metrics["acceptance_per_position_average"] >= metrics["acceptance_walk"] - 0.05

@@ -1,0 +1,1 @@
+"""Pipeline stages: one entry module per stage (generate, capture, vocab, train, export, ...)."""
