@@ -122,10 +122,15 @@ def test_tiny_draft_learns_within_a_minute(tiny_target, tmp_path):
     cfg = compose_cfg(
         "target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={tmp_path}",
         "data.max_new_tokens=64", "train.steps=150", "train.optim.lr=3e-3", "train.compute_dtype=float32",
-        "train.ttt.noise.std=0.01", "train.log_every=50",
+        "train.ttt.noise.std=0.01", "train.log_every=50", "tracking.wandb=true", "tracking.mode=offline",
     )
     out = full.run(cfg)
     metrics = json.loads((out["train"] / "metrics.json").read_text())
     assert metrics["acceptance_walk"] > 1.3, metrics
     assert metrics["step_acc"][0] > 0.25, metrics
     assert metrics["acceptance_per_position_average"] >= metrics["acceptance_walk"] - 0.05
+    # W&B ran offline into the run folder and holds the same final figure.
+    summaries = list((tmp_path / "wandb").glob("offline-run-*/files/wandb-summary.json"))
+    assert len(summaries) == 1, summaries
+    summary = json.loads(summaries[0].read_text())
+    assert summary["acceptance_walk"] == pytest.approx(metrics["acceptance_walk"])
