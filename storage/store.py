@@ -154,6 +154,14 @@ class HiddenStateStore:
         except Exception:  # absent or unreadable: not complete
             return False
 
+    def completed_row(self, name: str) -> dict | None:
+        """The manifest row a finished writer left in its shard (to commit it after a driver crash)."""
+        try:
+            attrs = self.open_shard(name).attrs
+        except Exception:
+            return None
+        return dict(attrs["manifest_row"]) if attrs.get("complete") and "manifest_row" in attrs else None
+
     def remove_shard(self, name: str) -> None:
         path = f"{self.path}/shards/{name}"
         if self.fs.exists(path):
@@ -189,7 +197,7 @@ class HiddenStateStore:
                "write_seconds": time.perf_counter() - started}
         group.attrs.update({"sample_ids": list(data.sample_ids), "n_samples": row["n_samples"],
                             "n_tokens": t, "final_is_normed": prov["final_is_normed"],
-                            "sample_ids_sha256": row["sample_ids_sha256"], "writer": row["writer"]})
+                            "sample_ids_sha256": row["sample_ids_sha256"], "manifest_row": row})
         group.attrs["complete"] = True  # the marker, last
         return row
 
