@@ -104,6 +104,30 @@ def test_store_refuses_a_contradicting_config(tiny_target, corpus, tmp_path, ray
         capture.run(cfg_for(tiny_target, run_dir, "capture.shard_samples=5"), tiny_target)
 
 
+def test_train_reads_the_same_batches_from_the_store(tiny_target, corpus, tmp_path, ray_local):
+    from eagle3.target_features import capture_batch
+    from workflows.target import load_target
+    from workflows.train import make_batches
+    from workflows.train_data import store_batches
+
+    run_dir = run_dir_with_corpus(corpus, tmp_path)
+    cfg = cfg_for(tiny_target, run_dir)
+    capture.run(cfg, tiny_target)
+    groups = make_batches(generate.read_samples(run_dir), 4, seed=0)
+    [batches] = store_batches(cfg, tiny_target, [groups], pad_id=0)
+    model, _ = load_target(tiny_target, dtype="float32")
+    for group, got in zip(groups, batches):
+        want = capture_batch(model, [r["input_ids"] for r in group], [r["loss_mask"] for r in group], [0, 2, 4])
+        assert set(got) == set(want) and got["aux"].dtype == torch.bfloat16
+        for k in ("input_ids", "loss_mask", "attention_mask"):
+            assert torch.equal(got[k], want[k]), k
+        m = want["attention_mask"]
+        torch.testing.assert_close(got["aux"][m].float(), want["aux"][m].to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(got["final"][m].float(), want["final"][m].to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2)
+    with pytest.raises(ConfigError, match="'hidden_size'"):
+        store_batches(cfg_for(tiny_target, run_dir, "target.hidden_size=96"), tiny_target, [groups], 0)
+
+
 def test_bad_inputs_are_refused_or_counted(tiny_target, tmp_path):
     with pytest.raises(ConfigError, match=r"target.capture_layer_ids\[2\]=7 is out of range"):
         cfg_for(tiny_target, tmp_path, "target.capture_layer_ids=[0,2,7]")

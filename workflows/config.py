@@ -67,6 +67,9 @@ class TrainSection(LoopConfig):
     checkpoint_every: int = 100  # steps; 0 = only at the end
     # Target precision while computing its states for training ("online" capture).
     capture_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    # Where the target states come from: the capture stage's store, or computed here
+    # ("online"); auto = the store when the capture stage has finished in run_dir.
+    data_source: Literal["auto", "store", "online"] = "auto"
 
     def validate(self, where: str = "train") -> None:
         self.ttt.validate(f"{where}.ttt")
