@@ -97,7 +97,7 @@ class CaptureSection:
     cpus_per_actor: float = 1.0
     gpus_per_actor: float = 0.0  # GPU presets: the target's tp_size (one actor per TP group)
     dtype: Literal["bfloat16", "float32", "float16"] | None = None  # engine dtype; null: target.dtype
-    chunk_mb: float = 4.0  # Zarr chunk size of the state arrays (one Zarr shard file per array)
+    chunk_mb: float = 1.0  # Zarr chunk size of the state arrays (one Zarr shard file per array)
     compression: str = "none"  # or zstd[:level] (~1.28x on bf16 states, much slower)
     estimate_only: bool = False  # print bytes/token and the projected size, capture nothing
     estimate_tokens: int | None = None  # for estimate_only without a corpus (e.g. 88000000)
