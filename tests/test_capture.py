@@ -149,3 +149,20 @@ def test_estimate_and_space_refusal(tiny_target, tmp_path, capsys):
     with pytest.raises(ConfigError, match="capture.store=.*needs ~5046.71 GB.*capture.ignore_space=true"):
         capture.check_space(str(tmp_path / "store"), est["projected_bytes"], ignore=False)
     assert capture.check_space(str(tmp_path / "store"), est["projected_bytes"], ignore=True)["free_bytes"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_sglang_and_hf_engines_give_the_same_states(tiny_target):
+    """Parity on CPU in fp32: SGLang (aux pass + full pass, in a subprocess) vs HF hooks."""
+    pytest.importorskip("sglang")
+    from workflows.capture_engine import HFEngine
+    from workflows.sglang_capture import SGLangEngine
+
+    seqs = [[1, 5, 9, 33, 2, 7, 100, 4, 8, 8], [3, 4, 5, 6, 7]]
+    sgl = SGLangEngine(str(tiny_target), [0, 2, 4], dtype="float32").states(seqs)
+    hf = HFEngine(str(tiny_target), [0, 2, 4], dtype="float32").states(seqs)
+    for (sa, sf), (ha, hf_) in zip(sgl, hf):
+        assert sa.shape == ha.shape == (sa.shape[0], 3 * 64) and sf.shape == hf_.shape
+        torch.testing.assert_close(sa, ha.float(), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(sf, hf_.float(), atol=1e-4, rtol=1e-4)

@@ -62,7 +62,7 @@ def check_space(dest: str, needed: int, ignore: bool) -> dict:
             f"capture.store={dest}: the capture needs ~{needed / 1e9:.2f} GB but {probe} has {free / 1e9:.2f} GB "
             "free; free space, choose another capture.store, or set capture.ignore_space=true"
         )
-    return {"free_bytes": free, "needed_bytes": needed}
+    return {"free_bytes": free, "needed_bytes": needed, "enough": needed <= free}
 
 
 def plan_shards(samples: list[dict], shard_samples: int) -> tuple[list[ShardPlan], dict]:
@@ -124,10 +124,8 @@ class CaptureActor:
                  threads: int, fail_after_shards: int | None):
         import torch
 
-        from workflows.capture_engine import HFEngine
-
         torch.set_num_threads(max(1, threads))
-        self.engine = HFEngine(**engine)
+        self.engine = engine_class(engine.pop("backend"))(**engine)
         self.store = HiddenStateStore.open(store_url, storage_options)
         self.chunk_bytes, self.compression = chunk_bytes, compression
         self.fail_after, self.done = fail_after_shards, 0
@@ -155,6 +153,16 @@ class CaptureActor:
                 self.metrics["bytes"].inc(r["nbytes"], tags=tags)
                 self.metrics["tps"].set(r["n_tokens"] / max(r["compute_seconds"], 1e-9), tags=tags)
         return {k: np.array([r[k] for r in rows], dtype=object) for k in rows[0]}
+
+
+def engine_class(backend: str):
+    if backend == "sglang":
+        from workflows.sglang_capture import SGLangEngine
+
+        return SGLangEngine
+    from workflows.capture_engine import HFEngine
+
+    return HFEngine
 
 
 def _metrics():
@@ -192,19 +200,16 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     from tqdm import tqdm
 
     from storage.verify import verify
-    from workflows.capture_engine import HFEngine
     from workflows.generate import read_samples
     from workflows.target import _read_json, _text_config
 
     c, out, url = cfg.capture, cfg.run_path / "capture", store_url(cfg)
-    if c.backend != "hf":
-        raise ConfigError(f"capture.backend={c.backend!r}: only 'hf' is implemented in this version (see README)")
     cfg.target.check_against_hf_config(_text_config(_read_json(Path(target_path) / "config.json")))
     validate_capture_ids(cfg.target.capture_ids, cfg.target.num_layers, "target.capture_layer_ids")
     plans, skipped = plan_shards(read_samples(cfg.run_path), c.shard_samples)
     if not plans:
         raise ValueError(f"{cfg.run_path}/generate/samples.parquet: no non-empty samples to capture")
-    prov = store_provenance(cfg, Path(target_path), plans, HFEngine.version())
+    prov = store_provenance(cfg, Path(target_path), plans, engine_class(c.backend).version())
     key = {k: v for k, v in prov.items() if k not in ("code_version",)} | {"store": url}
     if stage_is_done(out, key):
         log(f"capture: reusing {url}")
@@ -256,9 +261,11 @@ def _capture_with_ray(cfg: FullConfig, target_path, store: HiddenStateStore, pen
     c = cfg.capture
     ensure_ray(c)
     ds = ray.data.from_items([vars(p) for p in pending])
-    engine = {"target_path": str(target_path), "layer_ids": cfg.target.capture_ids,
+    engine = {"backend": c.backend, "target_path": str(target_path), "layer_ids": cfg.target.capture_ids,
               "dtype": c.dtype or cfg.target.dtype, "micro_batch_tokens": c.micro_batch_tokens,
               "trust_remote_code": cfg.target.trust_remote_code}
+    if c.backend == "sglang":  # one actor per TP group on GPUs
+        engine.update(device="cuda" if c.gpus_per_actor else "cpu", tp_size=cfg.target.tp_size)
     results = ds.map_batches(
         CaptureActor, batch_size=c.shards_per_call, batch_format="pyarrow",
         fn_constructor_kwargs={"store_url": store.url, "storage_options": store.storage_options,
