@@ -23,4 +23,6 @@ def tiny_target(tmp_path_factory):
     conf = Path(__file__).resolve().parents[1] / "conf" / "target" / "tiny.yaml"
     spec = from_dict(TargetSpec, yaml.safe_load(conf.read_text()), "target")
     # <cache>/targets/tiny, the layout workflows.full uses for cache_dir=<cache>.
-    return prepare_target(spec, tmp_path_factory.mktemp("cache") / "targets", log=lambda _m: None)
+    # EAGLE3_TEST_CACHE reuses a prepared tiny target across sessions (local iteration only).
+    cache = Path(os.environ["EAGLE3_TEST_CACHE"]) if os.environ.get("EAGLE3_TEST_CACHE") else tmp_path_factory.mktemp("cache")
+    return prepare_target(spec, cache / "targets", log=lambda _m: None)

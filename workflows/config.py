@@ -3,14 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from eagle3.draft_config import DraftConfig
 from eagle3.schema import ConfigError, from_dict
 from eagle3.target_spec import TargetSpec
 from eagle3.training import LoopConfig
 
-STAGES = ("target", "generate", "vocab", "train")
+STAGES = ("target", "generate", "capture", "vocab", "train")
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -67,6 +67,9 @@ class TrainSection(LoopConfig):
     checkpoint_every: int = 100  # steps; 0 = only at the end
     # Target precision while computing its states for training ("online" capture).
     capture_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    # Where the target states come from: the capture stage's store, or computed here
+    # ("online"); auto = the store when the capture stage has finished in run_dir.
+    data_source: Literal["auto", "store", "online"] = "auto"
 
     def validate(self, where: str = "train") -> None:
         self.ttt.validate(f"{where}.ttt")
@@ -78,6 +81,38 @@ class TrainSection(LoopConfig):
             )
         if self.steps < 1 or self.batch_size < 1:
             raise ConfigError(f"{where}.steps and {where}.batch_size must be >= 1")
+
+
+@dataclass
+class CaptureSection:
+    """Hidden-state capture into the Zarr store (see workflows.capture, storage/)."""
+
+    backend: Literal["hf", "sglang"] = "hf"
+    store: str | None = None  # local path or fsspec URL; null: <run_dir>/store
+    storage_options: dict[str, Any] = field(default_factory=dict)  # fsspec options (endpoint, ...)
+    shard_samples: int = 64  # samples per capture shard (fixed by the corpus: resume unit)
+    shards_per_call: int = 2  # shards per actor call (writes overlap the next shard's compute)
+    micro_batch_tokens: int = 4096  # padded tokens per forward
+    actors: int = 1
+    cpus_per_actor: float = 1.0
+    gpus_per_actor: float = 0.0  # GPU presets: the target's tp_size (one actor per TP group)
+    dtype: Literal["bfloat16", "float32", "float16"] | None = None  # engine dtype; null: target.dtype
+    chunk_mb: float = 1.0  # Zarr chunk size of the state arrays (one Zarr shard file per array)
+    compression: str = "none"  # or zstd[:level] (~1.28x on bf16 states, much slower)
+    estimate_only: bool = False  # print bytes/token and the projected size, capture nothing
+    estimate_tokens: int | None = None  # for estimate_only without a corpus (e.g. 88000000)
+    ignore_space: bool = False  # start even when the destination lacks the projected space
+    ray_address: str | None = None  # null: a local Ray on 127.0.0.1
+    ray_num_cpus: int | None = None
+    ray_dashboard: bool = True  # on 127.0.0.1
+    fail_after_shards: int | None = None  # fault injection for resume tests; keep null
+
+    def validate(self, where: str = "capture") -> None:
+        for name in ("shard_samples", "shards_per_call", "micro_batch_tokens", "actors"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
+        if self.chunk_mb <= 0 or self.cpus_per_actor <= 0:
+            raise ConfigError(f"{where}.chunk_mb and {where}.cpus_per_actor must be positive")
 
 
 @dataclass
@@ -95,6 +130,7 @@ class FullConfig:
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
     tracking: TrackingSection = field(default_factory=TrackingSection)
+    capture: CaptureSection = field(default_factory=CaptureSection)
     stages: list[str] = field(default_factory=lambda: list(STAGES))
     run_dir: str = "runs/default"
     cache_dir: str = ".cache"

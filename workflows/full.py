@@ -16,13 +16,15 @@ from workflows.config import FullConfig, load_config
 
 
 def run(cfg: FullConfig) -> dict:
-    from workflows import generate, target, train, vocab
+    from workflows import capture, generate, target, train, vocab
 
     log(f"run_dir={cfg.run_path} target={cfg.target.name} stages={cfg.stages}")
     target_path = target.prepare_target(cfg.target, cfg.cache_path / "targets", log=log)
     outputs = {"target": target_path}
     if "generate" in cfg.stages:
         outputs["generate"] = generate.run(cfg, target_path)
+    if "capture" in cfg.stages:
+        outputs["capture"] = capture.run(cfg, target_path)
     if "vocab" in cfg.stages:
         outputs["vocab"] = vocab.run(cfg)
     if "train" in cfg.stages:

@@ -107,6 +107,13 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     key = {"train": to_dict(cfg.train), "draft": to_dict(cfg.draft), "seed": cfg.seed,
            "target": target_provenance(target_path), "vocab": vocab_summary,
            "capture_layer_ids": cfg.target.capture_ids}
+    source = cfg.train.data_source
+    if source == "auto":
+        source = "store" if (cfg.run_path / "capture" / "DONE.json").exists() else "online"
+    if source == "store":
+        from workflows.train_data import store_key
+
+        key["store"] = store_key(cfg)
     if stage_is_done(out, key):
         log(f"train: reusing {out}")
         return out
@@ -127,8 +134,15 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     cfg.target.check_against_hf_config(model.config)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids = cfg.target.capture_ids
-    train_batches = capture_all(model, make_batches(train_rows, cfg.train.batch_size, cfg.seed), ids, pad_id, "capture train")
-    eval_batches = capture_all(model, make_batches(eval_rows, cfg.train.batch_size, cfg.seed), ids, pad_id, "capture held-out")
+    train_groups = make_batches(train_rows, cfg.train.batch_size, cfg.seed)
+    eval_groups = make_batches(eval_rows, cfg.train.batch_size, cfg.seed)
+    if source == "store":
+        from workflows.train_data import store_batches
+
+        train_batches, eval_batches = store_batches(cfg, target_path, [train_groups, eval_groups], pad_id)
+    else:
+        train_batches = capture_all(model, train_groups, ids, pad_id, "capture train")
+        eval_batches = capture_all(model, eval_groups, ids, pad_id, "capture held-out")
     head = TargetHead.from_hf(model)
     draft = build_draft(cfg, model, vocab)
     del model  # the target's layers are no longer needed; keep memory for training

@@ -1,0 +1,86 @@
+"""Capture throughput vs the same engine's bare forward on the same batches, in one run.
+
+    python -m bench.bench_capture [--target PATH] [--samples 64] [--length 256] [--shard-samples 16]
+
+The bare forward is the HF target's plain `model(...)` over the capture engine's own
+micro-batches. The capture adds the hooks, `output_hidden_states`, bf16 conversion and the
+Zarr writes, which `capture_and_write` overlaps with the next shard's compute. Prints both
+tokens/s and the ratio capture/bare (aim >= 0.90). Default target: the `tiny` preset
+(prepared into .cache on first use); pass --target for a bigger checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default=None, help="prepared HF checkpoint folder (default: the tiny preset)")
+    ap.add_argument("--layer-ids", type=int, nargs="+", default=None)
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--length", type=int, default=256)
+    ap.add_argument("--shard-samples", type=int, default=16)
+    ap.add_argument("--micro-batch-tokens", type=int, default=4096)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+
+    from storage.store import HiddenStateStore
+    from workflows.capture_engine import HFEngine, ShardPlan, capture_and_write
+    from workflows.target import _read_json, _text_config
+
+    target = Path(args.target) if args.target else _tiny_target()
+    text = _text_config(_read_json(target / "config.json"))
+    n_layers, hidden = text["num_hidden_layers"], text["hidden_size"]
+    ids = args.layer_ids or [1, n_layers // 2 - 1, n_layers - 4] if n_layers >= 8 else args.layer_ids or [0, 2, 4]
+    engine = HFEngine(str(target), ids, dtype=args.dtype, micro_batch_tokens=args.micro_batch_tokens)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, text["vocab_size"], (args.length - (i % 7) * 3,), generator=g).tolist()
+            for i in range(args.samples)]
+    plans = [ShardPlan(f"{k:06d}", [f"s{i}" for i in range(k, min(k + args.shard_samples, len(seqs)))],
+                       seqs[k : k + args.shard_samples], [[1] * len(s) for s in seqs[k : k + args.shard_samples]])
+             for k in range(0, len(seqs), args.shard_samples)]
+    tokens = sum(len(s) for s in seqs)
+    engine.bare_forward(seqs[: args.shard_samples])  # warm-up
+    prov = {"format_version": 1, "hidden_size": hidden, "capture_layer_ids": ids, "final_is_normed": True, "target": {}}
+    bare_s, cap_s = [], []
+    tmp = Path(tempfile.mkdtemp(prefix="bench_capture_"))
+    try:
+        for r in range(args.repeats):  # interleaved, so machine noise hits both alike
+            t = time.perf_counter()
+            for p in plans:
+                engine.bare_forward(p.input_ids)
+            bare_s.append(time.perf_counter() - t)
+            store = HiddenStateStore.create_or_open(str(tmp / f"store{r}"), prov)
+            t = time.perf_counter()
+            rows = capture_and_write(engine, store, plans, chunk_bytes=1 << 20)
+            store.commit(rows)
+            cap_s.append(time.perf_counter() - t)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    bare, cap = tokens / min(bare_s), tokens / min(cap_s)
+    print({"target": str(target), "layers": n_layers, "hidden": hidden, "tokens": tokens,
+           "bare_forward_tok_per_s": round(bare), "capture_tok_per_s": round(cap), "ratio": round(cap / bare, 3),
+           "threads": torch.get_num_threads()})
+
+
+def _tiny_target() -> Path:
+    import yaml
+
+    from eagle3.schema import from_dict
+    from eagle3.target_spec import TargetSpec
+    from workflows.target import prepare_target
+
+    root = Path(__file__).resolve().parents[1]
+    spec = from_dict(TargetSpec, yaml.safe_load((root / "conf/target/tiny.yaml").read_text()), "target")
+    return prepare_target(spec, root / ".cache" / "targets")
+
+
+if __name__ == "__main__":
+    main()

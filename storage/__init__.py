@@ -1,0 +1,12 @@
+"""The hidden-state store: Zarr v3, one group per capture shard, committed via a manifest.
+
+    <store>/zarr.json              root group; attributes["provenance"] (see storage.store)
+    <store>/shards/<name>/         one capture shard, written whole by one writer
+        input_ids int32 [T]   loss_mask uint8 [T]   offsets int64 [n+1]
+        aux uint16 [T, n_aux*H]  final uint16 [T, H]   (bf16 bit patterns)
+        attributes: sample_ids, complete (the writer's marker, set last), stats
+    <store>/manifest.parquet       one row per committed shard (rewritten atomically)
+
+Readers see only shards listed in the manifest.
+"""
+from storage.store import HiddenStateStore, ShardData, StoreError  # noqa: F401
