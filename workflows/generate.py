@@ -143,7 +143,8 @@ def regenerate_shards(cfg: FullConfig, target_path: Path, pending: list[dict], e
                                   for r in pending])
     ds = ray.data.from_arrow(table).repartition(max(1, len(expected))).map_batches(
         Regenerator, fn_constructor_kwargs={"target_path": str(target_path), "settings": settings},
-        batch_size=cfg.data.batch_size, batch_format="pyarrow", concurrency=cfg.data.num_engines,
+        batch_size=cfg.data.batch_size, batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=cfg.data.num_engines),
         num_cpus=1 if cfg.data.backend == "hf" else 0.5, zero_copy_batch=True)
     buffers: dict[int, list[dict]] = defaultdict(list)
     for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
