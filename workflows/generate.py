@@ -52,9 +52,10 @@ def ingest_mixture(cfg: FullConfig) -> tuple[list[dict], dict[str, Counter]]:
         limit = min(x for x in (spec.limit, cfg.data.limit, 1 << 62) if x is not None)
         total = Counter()
         for path in paths:
-            got, c = ingest.ingest_dataset(name, path, spec.format, spec.file_type, limit - len(
-                [r for r in rows if r["dataset"] == name]), spec.weight, spec.split, cfg.data.heldout_fraction,
-                seen, log=log)
+            if total["conversations"] >= limit:
+                break
+            got, c = ingest.ingest_dataset(name, path, spec.format, spec.file_type, limit - total["conversations"],
+                                           spec.weight, spec.split, cfg.data.heldout_fraction, seen, log=log)
             rows += got
             total.update(c)
         counts[name] = total
