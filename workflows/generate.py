@@ -1,150 +1,285 @@
-"""Stage `generate`: the target regenerates the answers to a prompt list.
+"""Stage `generate`: the target regenerates the answers of a prompt mixture, on Ray Data.
 
-The draft must learn what the target really says, so answers come from the target
-itself (greedy, so the text is what greedy serving would produce). This first version
-runs one HF engine in-process over a JSONL prompt list; the Ray Data mixture pipeline
-(many datasets, SGLang actors) builds on the same output schema.
+    python -m workflows.generate [hydra overrides]        # this stage only (config `full`)
+    python -m workflows.generate mixture=bundled data.limit=8 target=tiny
 
-Output: `<run_dir>/generate/samples.parquet`, one row per conversation:
-id, dataset, split (train/heldout by id hash), prompt, answer, finish (eos/length),
-input_ids (the chat-templated conversation), loss_mask (1 on the answer tokens).
+1. Ingest every dataset of `mixture` (workflows.ingest) into `generate/prompts.parquet`
+   (id, dataset, split, messages), with per-dataset counts of what was skipped and why.
+2. Cut the prompts into shards of `data.shard_size` and send the shards not yet committed
+   through a Ray Data actor pool of target engines (workflows.regenerate): every assistant
+   turn is regenerated in order, then the conversation is tokenized with the target's chat
+   template and assistant loss mask (eagle3.chat_template).
+3. Commit each shard whole: `shards/<k>.parquet` renamed into place, then `<k>.done.json`
+   (its counts) written last. A rerun skips committed shards, so a killed run resumes with
+   no duplicate and no loss; a changed config or prompt set starts the shards afresh.
+4. Write the token-accounting table (per dataset: conversations, prompt tokens, answer
+   tokens, skips by reason) to `generate/accounting.{json,txt}`, print it, mark DONE.
+
+`read_samples(run_dir)` returns the committed rows: id, dataset, split, messages, prompt,
+answer, finish, input_ids, loss_mask, truncated.
 """
 from __future__ import annotations
 
-import hashlib
 import json
+import os
+import shutil
+from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Callable
 
-import torch
+import hydra
 
-from workflows.common import atomic_dir, log, mark_done, stage_is_done
-from workflows.config import FullConfig, resolve_data_path
+from workflows.common import config_hash, log, mark_done, read_json, stage_is_done, write_json_atomic
+from workflows.config import PROJECT_ROOT, FullConfig, load_config, resolve_data_path
+
+SHARDS = "shards"
 
 
-def read_prompts(path: Path, limit: int | None = None) -> tuple[list[dict], dict]:
-    """Rows with `id` and `prompt`. Bad lines raise naming file and line; empty prompts are
-    skipped and counted."""
-    rows, skipped = [], {"empty_prompt": 0}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: malformed JSON ({exc.msg})") from None
-            if not isinstance(row, dict) or "prompt" not in row:
-                raise ValueError(f"{path}:{lineno}: missing field 'prompt'")
-            if not isinstance(row["prompt"], str):
-                raise ValueError(f"{path}:{lineno}: field 'prompt' must be a string")
-            if not row["prompt"].strip():
-                skipped["empty_prompt"] += 1
-                continue
-            rows.append({"id": str(row.get("id", f"{path.stem}-{lineno}")), "prompt": row["prompt"]})
-            if limit is not None and len(rows) >= limit:
+# ----------------------------------------------------------------------------- ingestion
+
+
+def ingest_mixture(cfg: FullConfig) -> tuple[list[dict], dict[str, Counter]]:
+    from workflows import ingest, offline_sources
+
+    if not cfg.mixture:
+        raise ValueError("mixture: no datasets configured (e.g. mixture=default)")
+    rows, counts, seen = [], {}, set()
+    for name, spec in cfg.mixture.items():
+        if spec.source == "file":
+            paths = ingest.expand_paths(str(resolve_data_path(spec.path)) if "://" not in spec.path else spec.path)
+        else:
+            paths = [offline_sources.materialise(spec.source, cfg.cache_path)]
+        limit = min(x for x in (spec.limit, cfg.data.limit, 1 << 62) if x is not None)
+        total = Counter()
+        for path in paths:
+            if total["conversations"] >= limit:
                 break
-    if not rows:
-        raise ValueError(f"{path}: no usable prompts")
-    return rows, skipped
-
-
-def split_of(sample_id: str, heldout_fraction: float) -> str:
-    """Deterministic train/held-out split by a hash of the id."""
-    h = int(hashlib.sha256(sample_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-    return "heldout" if h < heldout_fraction else "train"
-
-
-@torch.no_grad()
-def regenerate(model, tokenizer, prompts: list[dict], cfg, progress=True) -> tuple[list[dict], dict]:
-    """Greedy answers for `prompts` in batches; returns rows and skip counts."""
-    from tqdm import tqdm
-
-    tokenizer.padding_side = "left"  # decoder-only batched generation pads on the left
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    eos = tokenizer.eos_token_id
-    rows, counts = [], {"truncated": 0, "dropped_overlong": 0}
-    bar = tqdm(total=len(prompts), desc="generate", unit="prompt", disable=not progress)
-    for start in range(0, len(prompts), cfg.batch_size):
-        chunk = prompts[start : start + cfg.batch_size]
-        texts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], tokenize=False,
-                                          add_generation_prompt=True)
-            for p in chunk
-        ]
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        out = model.generate(**enc, max_new_tokens=cfg.max_new_tokens, do_sample=False,
-                             eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
-        width = enc["input_ids"].shape[1]
-        for i, p in enumerate(chunk):
-            prompt_ids = enc["input_ids"][i][enc["attention_mask"][i].bool()].tolist()
-            answer_ids = out[i, width:].tolist()
-            finish = "length"
-            if eos in answer_ids:
-                answer_ids = answer_ids[: answer_ids.index(eos) + 1]
-                finish = "eos"
-            ids = prompt_ids + answer_ids
-            mask = [0] * len(prompt_ids) + [1] * len(answer_ids)
-            if len(ids) > cfg.max_length:
-                if cfg.overlong == "drop":
-                    counts["dropped_overlong"] += 1
-                    continue
-                ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
-                counts["truncated"] += 1
-            rows.append({
-                "id": p["id"], "prompt": p["prompt"], "finish": finish,
-                "answer": tokenizer.decode(answer_ids, skip_special_tokens=True),
-                "input_ids": ids, "loss_mask": mask,
-            })
-        bar.update(len(chunk))
-    bar.close()
+            got, c = ingest.ingest_dataset(name, path, spec.format, spec.file_type, limit - total["conversations"],
+                                           spec.weight, spec.split, cfg.data.heldout_fraction, seen, log=log)
+            rows += got
+            total.update(c)
+        counts[name] = total
+        log(f"generate: {name}: {total['conversations']} conversations from {len(paths)} file(s)")
     return rows, counts
 
 
-def write_samples(rows: list[dict], path: Path, dataset: str, heldout_fraction: float) -> None:
+# ----------------------------------------------------------------------------- shards
+
+
+def shard_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "generate" / SHARDS
+
+
+def committed_shards(folder: Path) -> dict[int, dict]:
+    """Shard index -> its commit record, for shards whose marker exists."""
+    out = {}
+    for marker in sorted(folder.glob("*.done.json")):
+        out[int(marker.name.split(".")[0])] = read_json(marker)
+    return out
+
+
+def commit_shard(folder: Path, index: int, rows: list[dict]) -> dict:
+    """Write one shard's ok rows (Parquet, renamed into place), then its marker with counts."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.table({
-        "id": [r["id"] for r in rows],
-        "dataset": [dataset] * len(rows),
-        "split": [split_of(r["id"], heldout_fraction) for r in rows],
-        "prompt": [r["prompt"] for r in rows],
-        "answer": [r["answer"] for r in rows],
-        "finish": [r["finish"] for r in rows],
-        "input_ids": pa.array([r["input_ids"] for r in rows], type=pa.list_(pa.int32())),
-        "loss_mask": pa.array([r["loss_mask"] for r in rows], type=pa.list_(pa.uint8())),
-    })
-    pq.write_table(table, path)
+    from workflows.regenerate import RESULT_SCHEMA
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    name = f"{index:05d}"
+    tmp = folder / f".{name}.parquet.tmp-{os.getpid()}"
+    pq.write_table(pa.Table.from_pylist(ok, schema=RESULT_SCHEMA()), tmp)
+    os.replace(tmp, folder / f"{name}.parquet")
+    per_dataset: dict[str, Counter] = defaultdict(Counter)
+    errors = []
+    for r in rows:
+        c = per_dataset[r["dataset"]]
+        if r["status"] == "ok":
+            c["conversations"] += 1
+            c["prompt_tokens"] += r["prompt_tokens"]
+            c["answer_tokens"] += r["answer_tokens"]
+            c["truncated"] += int(r["truncated"])
+            c["turns_cut_overlong"] += r["turns_cut"]
+            c["finished_eos"] += int(r["finish"] == "eos")
+        else:
+            c[f"skipped_{r['status']}"] += 1
+            if r["error"]:
+                errors.append(f"{r['id']}: {r['error']}")
+    record = {"rows": len(ok), "ids": sorted(r["id"] for r in rows), "errors": errors[:5],
+              "counts": {k: dict(v) for k, v in per_dataset.items()}}
+    write_json_atomic(folder / f"{name}.done.json", record)
+    return record
 
 
-def read_samples(run_dir: Path) -> list[dict]:
-    import pyarrow.parquet as pq
+def _start_ray(cfg: FullConfig) -> None:
+    import ray
 
-    path = run_dir / "generate" / "samples.parquet"
-    if not (run_dir / "generate" / "DONE.json").exists():
-        raise FileNotFoundError(f"{path}: the generate stage has not finished; run stages=[generate] first")
-    return pq.read_table(path).to_pylist()
+    if ray.is_initialized():
+        return  # one Ray per process: a test session (or a notebook) shares it
+    pythonpath = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH")) if p)
+    ray.init(address=cfg.data.ray_address, include_dashboard=cfg.data.ray_dashboard,
+             dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1" if cfg.data.ray_address is None else None,
+             runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, log_to_driver=True,
+             configure_logging=True, logging_level="WARNING")
 
 
-def run(cfg: FullConfig, target_path: Path) -> Path:
-    from workflows.target import load_target, target_provenance
+def regenerate_shards(cfg: FullConfig, target_path: Path, pending: list[dict], expected: dict[int, int],
+                      folder: Path, on_commit: Callable[[int], None] | None = None) -> None:
+    """Run the pending rows through the actor pool; commit each shard as soon as it is whole."""
+    import pyarrow as pa
+    import ray
+
+    from workflows.regenerate import Regenerator
+
+    _start_ray(cfg)
+    threads = cfg.data.threads_per_engine or max(1, (os.cpu_count() or 1) // cfg.data.num_engines)
+    settings = dict(max_new_tokens=cfg.data.max_new_tokens, temperature=cfg.data.temperature, top_p=cfg.data.top_p,
+                    reasoning=cfg.data.reasoning, keep_reasoning=cfg.data.keep_reasoning,
+                    max_length=cfg.data.max_length, overlong=cfg.data.overlong, backend=cfg.data.backend,
+                    dtype=cfg.target.dtype, threads=threads, seed=cfg.seed,
+                    sglang_max_total_tokens=cfg.data.sglang_max_total_tokens,
+                    trust_remote_code=cfg.target.trust_remote_code)
+    table = pa.Table.from_pylist([{"id": r["id"], "dataset": r["dataset"], "split": r["split"],
+                                   "shard": r["shard"], "messages_json": json.dumps(r["messages"])}
+                                  for r in pending])
+    ds = ray.data.from_arrow(table).repartition(max(1, len(expected))).map_batches(
+        Regenerator, fn_constructor_kwargs={"target_path": str(target_path), "settings": settings},
+        batch_size=cfg.data.batch_size, batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=cfg.data.num_engines),
+        num_cpus=1 if cfg.data.backend == "hf" else 0.5, zero_copy_batch=True)
+    buffers: dict[int, list[dict]] = defaultdict(list)
+    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        for row in batch.to_pylist():
+            buffers[row["shard"]].append(row)
+            if len(buffers[row["shard"]]) == expected[row["shard"]]:
+                k = row["shard"]
+                record = commit_shard(folder, k, buffers.pop(k))
+                log(f"generate: committed shard {k} ({record['rows']} conversations)")
+                if on_commit is not None:
+                    on_commit(k)
+    if buffers:
+        raise RuntimeError(f"generate: shards {sorted(buffers)} came back incomplete from Ray Data")
+
+
+# ----------------------------------------------------------------------------- accounting
+
+
+def accounting(ingest_counts: dict[str, Counter], shards: dict[int, dict]) -> dict[str, dict]:
+    table: dict[str, Counter] = {name: Counter() for name in ingest_counts}
+    for name, c in ingest_counts.items():
+        table[name]["records"] = c["records"]
+        for k, v in c.items():
+            if k.startswith("skipped_"):
+                table[name][k] += v
+    for record in shards.values():
+        for name, c in record["counts"].items():
+            table.setdefault(name, Counter()).update(c)
+    return {name: dict(sorted(c.items())) for name, c in table.items()}
+
+
+def format_accounting(table: dict[str, dict]) -> str:
+    main = ["records", "conversations", "prompt_tokens", "answer_tokens", "truncated", "finished_eos"]
+    lines = [f"{'dataset':<20}" + "".join(f"{c:>15}" for c in main) + "  skipped"]
+    total = Counter()
+    for name, c in table.items():
+        total.update(c)
+        skips = ", ".join(f"{k.removeprefix('skipped_')}={v}" for k, v in c.items() if k.startswith("skipped_") and v)
+        lines.append(f"{name:<20}" + "".join(f"{c.get(k, 0):>15}" for k in main) + f"  {skips or '-'}")
+    skips = ", ".join(f"{k.removeprefix('skipped_')}={v}" for k, v in total.items() if k.startswith("skipped_") and v)
+    lines.append(f"{'TOTAL':<20}" + "".join(f"{total.get(k, 0):>15}" for k in main) + f"  {skips or '-'}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- stage
+
+
+def run(cfg: FullConfig, target_path: Path, on_commit: Callable[[int], None] | None = None) -> Path:
+    from workflows import ingest
+    from workflows.target import target_provenance
 
     out = cfg.run_path / "generate"
-    prompts_path = resolve_data_path(cfg.data.prompts)
-    key = {"data": vars(cfg.data), "target": target_provenance(target_path), "prompts": str(prompts_path)}
+    rows, ingest_counts = ingest_mixture(cfg)
+    if not rows:
+        raise ValueError(f"generate: the mixture {list(cfg.mixture)} yields no usable conversation:\n"
+                         + json.dumps({k: dict(v) for k, v in ingest_counts.items()}, indent=1))
+    data = {k: v for k, v in vars(cfg.data).items() if k not in ("ray_address", "ray_dashboard", "num_engines",
+                                                                   "threads_per_engine")}
+    key = {"data": data, "target": target_provenance(target_path), "dtype": cfg.target.dtype, "seed": cfg.seed,
+           "prompts": config_hash({"rows": [[r["id"], r["split"], r["messages"]] for r in rows]})}
     if stage_is_done(out, key):
         log(f"generate: reusing {out}")
         return out
-    prompts, skipped = read_prompts(prompts_path, cfg.data.limit)
-    log(f"generate: {len(prompts)} prompts from {prompts_path} (skipped {skipped})")
-    model, tokenizer = load_target(target_path, dtype=cfg.target.dtype)
-    rows, counts = regenerate(model, tokenizer, prompts, cfg.data)
-    with atomic_dir(out) as tmp:
-        write_samples(rows, tmp / "samples.parquet", prompts_path.stem, cfg.data.heldout_fraction)
-    answer_tokens = sum(sum(r["loss_mask"]) for r in rows)
-    summary = {"conversations": len(rows), "answer_tokens": answer_tokens,
-               "finished_eos": sum(r["finish"] == "eos" for r in rows), **skipped, **counts}
-    mark_done(out, key, summary)
-    log(f"generate: {summary}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "DONE.json").unlink(missing_ok=True)
+    folder = out / SHARDS
+    plan = {"key": config_hash(key), "shard_size": cfg.data.shard_size, "conversations": len(rows)}
+    if folder.exists() and (not (folder / "plan.json").exists() or read_json(folder / "plan.json") != plan):
+        log(f"generate: config or prompts changed since the shards in {folder} were written; starting afresh")
+        shutil.rmtree(folder)
+    folder.mkdir(exist_ok=True)
+    write_json_atomic(folder / "plan.json", plan)
+    tmp = out / f".prompts.parquet.tmp-{os.getpid()}"
+    ingest.write_normalised(rows, tmp)
+    os.replace(tmp, out / "prompts.parquet")
+
+    for i, r in enumerate(rows):
+        r["shard"] = i // cfg.data.shard_size
+    expected = Counter(r["shard"] for r in rows)
+    done = committed_shards(folder)
+    pending = [r for r in rows if r["shard"] not in done]
+    log(f"generate: {len(rows)} conversations in {len(expected)} shards, {len(done)} already committed, "
+        f"{len(pending)} conversations to regenerate ({cfg.data.backend} x{cfg.data.num_engines})")
+    if pending:
+        regenerate_shards(cfg, target_path, pending, {k: n for k, n in expected.items() if k not in done},
+                          folder, on_commit)
+    shards = committed_shards(folder)
+    ids = [i for s in shards.values() for i in s["ids"]]
+    if sorted(ids) != sorted(r["id"] for r in rows) or len(shards) != len(expected):
+        raise RuntimeError(f"generate: committed shards in {folder} do not cover the prompts exactly")
+    table = accounting(ingest_counts, shards)
+    text = format_accounting(table)
+    write_json_atomic(out / "accounting.json", table)
+    (out / "accounting.txt").write_text(text + "\n")
+    print(text, flush=True)
+    for s in shards.values():
+        for e in s["errors"]:
+            log(f"generate: skipped {e}")
+    total = Counter()
+    for c in table.values():
+        total.update(c)
+    mark_done(out, key, {"conversations": total["conversations"], "prompt_tokens": total["prompt_tokens"],
+                         "answer_tokens": total["answer_tokens"], "shards": len(shards)})
     return out
+
+
+def read_samples(run_dir: Path) -> list[dict]:
+    """Every committed conversation of a finished generate stage (shards in order)."""
+    import pyarrow.parquet as pq
+
+    out = Path(run_dir) / "generate"
+    if not (out / "DONE.json").exists():
+        raise FileNotFoundError(f"{out}: the generate stage has not finished; run stages=[generate] first")
+    rows = []
+    for k in sorted(committed_shards(out / SHARDS)):
+        for r in pq.read_table(out / SHARDS / f"{k:05d}.parquet").to_pylist():
+            messages = json.loads(r.pop("messages_json"))
+            users = [m["content"] for m in messages if m["role"] == "user"]
+            answers = [m["content"] for m in messages if m["role"] == "assistant"]
+            r.update(messages=messages, prompt=users[0] if users else "", answer=answers[-1] if answers else "")
+            for k2 in ("status", "error", "shard"):
+                r.pop(k2)
+            rows.append(r)
+    return rows
+
+
+@hydra.main(config_path="../conf", config_name="full", version_base="1.3")
+def main(hydra_cfg) -> None:
+    from workflows import target
+
+    cfg = load_config(hydra_cfg)
+    target_path = target.prepare_target(cfg.target, cfg.cache_path / "targets", log=log)
+    run(cfg, target_path)
+
+
+if __name__ == "__main__":
+    main()

