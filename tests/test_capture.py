@@ -22,7 +22,7 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 def cfg_for(tiny_target, run_dir, *extra):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return load_config(compose("full", overrides=[
-            "target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={run_dir}",
+            "target=tiny", "mixture=bundled", f"cache_dir={tiny_target.parent.parent}", f"run_dir={run_dir}",
             "data.limit=12", "data.max_new_tokens=16", "data.heldout_fraction=0.25",
             "capture.shard_samples=3", "capture.shards_per_call=2", "capture.micro_batch_tokens=256",
             "capture.ray_dashboard=false", "capture.ray_num_cpus=2", *extra]))
