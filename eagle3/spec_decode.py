@@ -275,8 +275,11 @@ class SpeculativeDecoder:
                 cur = nxt[0]
                 path.append(cur)
             new = [tree.tokens[r - 1] for r in path[1:]] + [greedy[cur]]
-            m = len(path) - 1
-            for i in range(min(m + 1, self.num_steps)):
+            # Drafts past the requested length are not scored (as the offline walk, whose
+            # text ends there, cannot score them).
+            remaining = max_new_tokens - len(out)
+            m = min(len(path) - 1, remaining)
+            for i in range(min(m + 1, self.num_steps, remaining)):
                 res.reached[i] += 1
                 res.accepted[i] += i < m
             tgt.keep_rows(past, path)

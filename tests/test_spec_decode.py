@@ -87,7 +87,9 @@ def test_perfect_and_useless_drafts(target, steps, topk, ndt):
         depth = min(steps, ndt - 1 if topk == 1 else (ndt - 1) // 2)  # length of the right path
         # Every pass accepts the whole right path and adds the bonus (the last may be cut short).
         assert res.target_forwards == -(-29 // (depth + 1))
-        assert res.accepted[:depth] == [res.target_forwards] * depth
+        # Slot i counts as accepted while the pass still had more than i tokens to produce.
+        left = [29 - (depth + 1) * j for j in range(res.target_forwards)]
+        assert res.accepted[:depth] == [sum(min(depth, r) > i for r in left) for i in range(depth)]
         assert res.acceptance_length == 29 / res.target_forwards
         useless = SpeculativeDecoder(target, OracleDrafter(full, False), LAYERS, steps, topk, ndt)
         res = useless.generate(p, 30)
