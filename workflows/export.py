@@ -17,7 +17,6 @@ doctor runs before anything is written.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import hydra
