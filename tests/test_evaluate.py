@@ -67,3 +67,18 @@ def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target)
     assert "parity ratio" in (tmp_path / "run" / "report" / "report.md").read_text()
     assert (tmp_path / "run" / "export" / "sglang" / "config.json").exists()
     assert (tmp_path / "run" / "export" / "DONE.json").exists()
+
+
+def test_markdown_lists_served_benchmark():
+    from workflows.evaluate import markdown
+
+    r = {"draft": "d", "target": "t", "prompts": 2, "max_new_tokens": 8, "num_steps": 3, "topk": 1,
+         "acceptance_offline": 1.5, "acceptance_offline_per_position_average": 1.7, "acceptance_decoded": 1.5,
+         "parity_ratio": 1.0, "lossless": True, "text_agreement": 1.0, "tokens_per_s_plain": 10.0,
+         "tokens_per_s_decoded": 12.0, "speedup_decoded": 1.2, "per_position_acceptance_offline": [0.5, 0.4, 0.3],
+         "per_position_acceptance": [0.5, 0.4, 0.3],
+         "served_benchmark": {"api": "generate", "results": {"1": {"tokens_per_s_mean": 42.0, "accept_length": 2.5}}}}
+    md = markdown(r, ["speed.png"])
+    assert "| parity ratio offline / decoded | 1.000 |" in md
+    assert "| served (generate), concurrency 1: tokens/s, accept length | 42.0, 2.5 |" in md
+    assert "![speed.png](speed.png)" in md

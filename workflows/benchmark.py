@@ -1,7 +1,7 @@
 """Served tokens/s, single stream and concurrent, against a running SGLang server.
 
     python -m workflows.benchmark --url http://127.0.0.1:30000 --prompts data/prompts/default.jsonl \
-        --concurrency 1 8 --runs 3 --max-new-tokens 2048 --out runs/x/report/benchmark.json
+        --concurrency 1 8 --runs 3 --max-new-tokens 2048 --out runs/x/benchmark/benchmark.json
 
 Each timed run sends `concurrency` requests at once (prompts taken round-robin) and
 divides the completion tokens by the wall time of the slowest; warmup runs go first and
@@ -136,7 +136,7 @@ def main(argv=None) -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--out", default=None, help="write the results here as JSON (e.g. <run_dir>/report/benchmark.json)")
+    p.add_argument("--out", default=None, help="write the results here as JSON; <run_dir>/benchmark/benchmark.json is picked up by the report")
     a = p.parse_args(argv)
     from workflows.config import resolve_data_path
 

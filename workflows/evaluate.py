@@ -198,6 +198,9 @@ def markdown(r: dict, plots: list[str]) -> str:
         lines.append(f"| tree (topk={r['tree_topk']}, num_draft_tokens={r['tree_num_draft_tokens']}): acceptance / "
                      f"speed-up / lossless | {r['acceptance_decoded_tree']:.3f} / {r['speedup_decoded_tree']:.2f} / "
                      f"{r['lossless_tree']} |")
+    for c, b in r.get("served_benchmark", {}).get("results", {}).items():
+        lines.append(f"| served ({r['served_benchmark']['api']}), concurrency {c}: tokens/s, accept length | "
+                     f"{b['tokens_per_s_mean']:.1f}, {b['accept_length']} |")
     lines += ["", "Per-position acceptance (P(accepted | reached)), offline vs decoded: "
               f"{[round(x, 3) for x in r['per_position_acceptance_offline']]} vs "
               f"{[round(x, 3) for x in r['per_position_acceptance']]}", ""]
@@ -215,7 +218,9 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         raise FileNotFoundError(f"{draft_file}: run the train stage first")
     from eagle3.schema import to_dict
 
-    key = {"evaluate": to_dict(e), "draft": draft_file.stat().st_mtime_ns, "target": target_provenance(target_path)}
+    served = cfg.run_path / "benchmark" / "benchmark.json"  # python -m workflows.benchmark --out ...
+    key = {"evaluate": to_dict(e), "draft": draft_file.stat().st_mtime_ns, "target": target_provenance(target_path),
+           "served": served.stat().st_mtime_ns if served.exists() else None}
     if stage_is_done(out, key):
         log(f"evaluate: reusing {out}")
         return out
@@ -251,6 +256,8 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         "tokens_per_s_plain": dec["tokens_per_s_plain"], "target_forwards_decoded": dec["target_forwards"],
         "offline_walk_passes": offline.passes, "per_prompt_decoded": dec["per_row"],
     }
+    if served.exists():
+        report["served_benchmark"] = read_json(served)
     if e.tree_topk > 1:
         tree = decode_all(model, draft, rows, ids, k, e.tree_topk, e.tree_num_draft_tokens, eos)
         report.update({"tree_topk": e.tree_topk, "tree_num_draft_tokens": e.tree_num_draft_tokens,
