@@ -212,6 +212,10 @@ class TargetRunner:
 
     def keep_rows(self, past: int, rows: list[int]) -> None:
         """Keep the first `past` cached positions plus the new block's `rows`."""
+        if rows == list(range(len(rows))):  # a chain prefix: drop the tail in place
+            self.cache.crop(past + len(rows))
+            self.length = past + len(rows)
+            return
         idx = torch.tensor(list(range(past)) + [past + r for r in rows], device=self.model.device)
         for layer in self.cache.layers:
             layer.keys = layer.keys.index_select(-2, idx)
