@@ -96,8 +96,9 @@ def acceptance_one(correct: torch.Tensor, loss_mask: torch.Tensor, length: int, 
         p = max(s, 1)  # x_p is the target's own token; the chain starts at row p-1
         while p < e - 1:
             remaining = e - 1 - p  # tokens of this turn still to produce
-            m = min(lead[p - 1], k)
-            for i in range(min(m + 1, k)):
+            # Guesses past the end of the text have no label (their `correct` is padding): not scored.
+            m = min(lead[p - 1], k, remaining)
+            for i in range(min(m + 1, k, remaining)):
                 acc.reached[i] += 1
                 if i < m:
                     acc.accepted[i] += 1

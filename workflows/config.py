@@ -10,7 +10,7 @@ from eagle3.schema import ConfigError, from_dict
 from eagle3.target_spec import TargetSpec
 from eagle3.training import LoopConfig
 
-STAGES = ("target", "generate", "capture", "vocab", "train")
+STAGES = ("target", "generate", "capture", "vocab", "train", "export", "evaluate")
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -161,6 +161,42 @@ class TrackingSection:
 
 
 @dataclass
+class ServeSection:
+    """SGLang serving (workflows.serve) and its benchmark (workflows.benchmark)."""
+
+    # All three or none (SGLang then picks per architecture); see workflows.serve.
+    num_steps: int | None = None
+    topk: int | None = None
+    num_draft_tokens: int | None = None
+    draft_path: str | None = None  # null: <run_dir>/export/sglang
+    host: str = "127.0.0.1"
+    port: int = 30000
+    cpu: bool = False  # SGLang's CPU fallbacks (tests; EAGLE-3 serving itself needs a GPU)
+    launch: bool = False  # false: print the command only
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class EvaluateSection:
+    """The acceptance report (workflows.evaluate)."""
+
+    num_steps: int = 4  # k draft tokens per target pass (chain, topk=1), same k offline and decoded
+    topk: int = 1
+    num_draft_tokens: int | None = None  # null: num_steps + 1 (chain)
+    # Tree drafting decoded as well, for comparison (0 = skip): topk, num_draft_tokens.
+    tree_topk: int = 0
+    tree_num_draft_tokens: int = 8
+    max_prompts: int = 16  # held-out conversations decoded
+    max_new_tokens: int = 128  # per decoded answer (capped by the held-out answer's length)
+    dtype: Literal["float32", "bfloat16"] = "float32"  # target and draft while decoding
+    length_buckets: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
+
+    def validate(self, where: str = "evaluate") -> None:
+        if self.num_steps < 1 or self.topk < 1 or self.max_prompts < 1 or self.max_new_tokens < 1:
+            raise ConfigError(f"{where}: num_steps, topk, max_prompts and max_new_tokens must be >= 1")
+
+
+@dataclass
 class FullConfig:
     target: TargetSpec
     draft: DraftSection = field(default_factory=DraftSection)
@@ -170,6 +206,8 @@ class FullConfig:
     train: TrainSection = field(default_factory=TrainSection)
     tracking: TrackingSection = field(default_factory=TrackingSection)
     capture: CaptureSection = field(default_factory=CaptureSection)
+    serve: ServeSection = field(default_factory=ServeSection)
+    evaluate: EvaluateSection = field(default_factory=EvaluateSection)
     stages: list[str] = field(default_factory=lambda: list(STAGES))
     run_dir: str = "runs/default"
     cache_dir: str = ".cache"

@@ -16,7 +16,7 @@ from workflows.config import FullConfig, load_config
 
 
 def run(cfg: FullConfig) -> dict:
-    from workflows import capture, generate, target, train, vocab
+    from workflows import capture, evaluate, export, generate, target, train, vocab
 
     log(f"run_dir={cfg.run_path} target={cfg.target.name} stages={cfg.stages}")
     target_path = target.prepare_target(cfg.target, cfg.cache_path / "targets", log=log)
@@ -29,6 +29,10 @@ def run(cfg: FullConfig) -> dict:
         outputs["vocab"] = vocab.run(cfg)
     if "train" in cfg.stages:
         outputs["train"] = train.run(cfg, target_path)
+    if "export" in cfg.stages:
+        outputs["export"] = export.run(cfg, target_path)
+    if "evaluate" in cfg.stages:
+        outputs["evaluate"] = evaluate.run(cfg, target_path)
     log("done: " + ", ".join(f"{k} -> {v}" for k, v in outputs.items()))
     return outputs
 

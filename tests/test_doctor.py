@@ -1,0 +1,75 @@
+"""The wiring doctor names both sides of every disagreement."""
+import pytest
+import torch
+
+from eagle3.schema import ConfigError
+from workflows import doctor
+from workflows.doctor import Side, check, side_from_engine_capture, side_from_provenance
+
+
+def draft_side(**facts):
+    base = {"capture_layer_ids": [-1, 2, 30], "target_hidden_size": 7168, "target_vocab_size": 163840,
+            "draft_vocab_size": 32000, "vocab_map_sha256": "aa", "tokenizer_sha256": "t1",
+            "chat_template_sha256": "c1", "target_path": "/models/K", "target_num_layers": 61}
+    base.update(facts)
+    return Side("draft checkpoint (train/draft)", base)
+
+
+def test_the_real_failure_trained_on_embeddings_served_on_layer_inputs():
+    served = side_from_engine_capture("SGLang engine (default capture)", [2, 30, 58])
+    assert served.facts["capture_layer_ids"] == [1, 29, 57]
+    errors = check([draft_side(), served])
+    assert len(errors) == 1
+    msg = errors[0]
+    assert msg.startswith("capture_layer_ids:")
+    assert "draft checkpoint (train/draft) says [-1, 2, 30]" in msg
+    assert "SGLang engine (default capture) says [1, 29, 57] (inputs of layers [2, 30, 58])" in msg
+
+
+def test_same_wiring_in_both_conventions_agrees():
+    assert check([draft_side(capture_layer_ids=[1, 29, 57]), side_from_engine_capture("engine", [2, 30, 58])]) == []
+
+
+@pytest.mark.parametrize("field, other", [
+    ("target_hidden_size", 4096), ("target_vocab_size", 128256), ("draft_vocab_size", 16000),
+    ("vocab_map_sha256", "bb"), ("tokenizer_sha256", "t2"), ("chat_template_sha256", "c2"),
+    ("target_path", "/models/Other"), ("target_num_layers", 60), ("capture_layer_ids", [1, 29, 57]),
+])
+def test_every_kind_of_mismatch_is_named(field, other):
+    a, b = draft_side(), draft_side(**{field: other})
+    b.name = "SGLang export (export/sglang)"
+    errors = check([a, b])
+    assert len(errors) == 1 and errors[0].startswith(f"{field}:")
+    assert "draft checkpoint (train/draft)" in errors[0] and "SGLang export (export/sglang)" in errors[0]
+    with pytest.raises(ConfigError, match=field):
+        doctor.raise_on_errors(errors)
+
+
+def test_unknown_convention_and_inconsistent_vocab_map_are_errors():
+    side = side_from_provenance("store (run/store)", {"capture_layer_ids": [0, 2, 4], "layer_id_convention": "hf_index"})
+    assert "no known layer-id convention" in check([side])[0]
+    bad = Side("draft")
+    t2d = torch.zeros(10, dtype=torch.bool)
+    t2d[[0, 3, 5]] = True
+    doctor.check_vocab_map(bad, torch.tensor([0, 2, 4]), t2d)  # target ids 0, 3, 6 vs marked 0, 3, 5
+    assert bad.errors and "d2t and t2d disagree" in bad.errors[0]
+    good = Side("draft")
+    doctor.check_vocab_map(good, torch.tensor([0, 2, 3]), t2d)
+    assert good.errors == [] and good.facts["draft_vocab_size"] == 3
+
+
+def test_export_without_layer_ids_means_sglang_default(tmp_path):
+    """An export that names no ids is served with SGLang's default layers: caught."""
+    import json
+
+    from safetensors.torch import save_file
+
+    t2d = torch.zeros(8, dtype=torch.bool)
+    t2d[:4] = True
+    save_file({"d2t": torch.zeros(4, dtype=torch.long), "t2d": t2d}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 16, "vocab_size": 8, "draft_vocab_size": 4}))
+    side = doctor.side_from_sglang_export(tmp_path, target_num_layers=61)
+    errors = check([draft_side(draft_vocab_size=None, vocab_map_sha256=None, target_hidden_size=None,
+                               target_vocab_size=None), side])
+    assert any("says [1, 29, 57] (inputs of layers [2, 30, 58]; SGLang's default" in e for e in errors), errors

@@ -1,0 +1,106 @@
+"""Exports load in the consumers' own code: SGLang's LlamaForCausalLMEagle3, speculators."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3.draft_config import DraftConfig
+from tests.helpers import random_draft
+from workflows import doctor
+from workflows.checkpoint import save_draft
+from workflows.export import export_sglang, export_vllm, speculators_available
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_draft_dir(folder: Path, target_path: Path, hidden=64, ids=(0, 2, 4)) -> Path:
+    from workflows.target import target_provenance
+
+    cfg = DraftConfig(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      intermediate_size=128, vocab_size=1024, draft_vocab_size=256, target_hidden_size=64,
+                      target_num_layers=6, capture_layer_ids=list(ids))
+    draft = random_draft(cfg, dtype=torch.float32)
+    chosen = torch.arange(256) * 4  # every 4th target token
+    t2d = torch.zeros(1024, dtype=torch.bool)
+    t2d[chosen] = True
+    draft.set_vocab_mapping(chosen - torch.arange(256), t2d)
+    prov = {"target": target_provenance(target_path), "capture_layer_ids": list(ids),
+            "layer_id_convention": "output_of_layer", "hidden_size": 64}
+    save_draft(folder, draft, prov)
+    return folder
+
+
+def test_sglang_export_config_and_weights(tmp_path, tiny_target):
+    src = make_draft_dir(tmp_path / "draft", tiny_target, hidden=32)
+    out = export_sglang(src, tmp_path / "sglang", "bfloat16")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]
+    assert cfg["draft_vocab_size"] == 256 and cfg["vocab_size"] == 1024 and cfg["num_hidden_layers"] == 1
+    assert cfg["target_hidden_size"] == 64 and cfg["hidden_size"] == 32  # written because they differ
+    assert cfg["tie_word_embeddings"] is False
+    ours, theirs = load_file(str(src / "draft.safetensors")), load_file(str(out / "model.safetensors"))
+    assert set(theirs) == set(ours) and "embed_tokens.weight" not in theirs
+    assert theirs["fc.weight"].dtype == torch.bfloat16 and theirs["d2t"].dtype == torch.long
+    assert torch.equal(theirs["fc.weight"], ours["fc.weight"].bfloat16())
+    assert doctor.check([doctor.side_from_draft(src), doctor.side_from_sglang_export(out)]) == []
+    # Same hidden size: no target_hidden_size field.
+    same = export_sglang(make_draft_dir(tmp_path / "d2", tiny_target), tmp_path / "s2")
+    assert "target_hidden_size" not in json.loads((same / "config.json").read_text())
+
+
+def test_doctor_catches_an_export_from_another_draft(tmp_path, tiny_target):
+    a = make_draft_dir(tmp_path / "a", tiny_target, ids=(0, 2, 4))
+    b = export_sglang(make_draft_dir(tmp_path / "b", tiny_target, ids=(-1, 2, 4)), tmp_path / "b_sglang")
+    errors = doctor.check([doctor.side_from_draft(a), doctor.side_from_sglang_export(b)])
+    assert len(errors) == 1 and "says [0, 2, 4]" in errors[0] and "says [-1, 2, 4]" in errors[0]
+
+
+@pytest.mark.slow
+def test_sglang_loads_the_export_with_its_own_class(tmp_path, tiny_target):
+    """SGLang's LlamaForCausalLMEagle3 built on CPU; every parameter checked after load_weights."""
+    out = export_sglang(make_draft_dir(tmp_path / "draft", tiny_target, hidden=32), tmp_path / "sglang", "float32")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "workflows" / "sglang_cpu_shim")]),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "workflows.sglang_load_check", str(out)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("SGLANG_LOAD_CHECK ")), None)
+    assert line is not None, proc.stderr[-3000:]
+    report = json.loads(line.split(" ", 1)[1])
+    assert report["ok"] and proc.returncode == 0, report
+    assert "model.layers.0.self_attn.qkv_proj.weight" in report["checked"]
+    assert "model.layers.0.mlp.gate_up_proj.weight" in report["checked"] and "model.fc.weight" in report["checked"]
+    assert len(report["checked"]) == 10 and report["not_ours"] == ["model.embed_tokens.weight"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not speculators_available(), reason="the speculators package is not installed (extra: vllm)")
+def test_vllm_export_loads_in_speculators(tmp_path, tiny_target):
+    # The class speculators' converter validates with, and its config model (the fields vLLM reads).
+    from speculators.convert.eagle.eagle3_legacy_model import Eagle3Speculator
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+
+    src = make_draft_dir(tmp_path / "draft", tiny_target)
+    sglang = export_sglang(src, tmp_path / "sglang", "float32")
+    out = export_vllm(sglang, tmp_path / "vllm", tiny_target, [0, 2, 4])
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4] and cfg["draft_vocab_size"] == 256
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(tiny_target)
+    parsed = Eagle3SpeculatorConfig.from_pretrained(out)
+    assert parsed.draft_vocab_size == 256 and parsed.eagle_aux_hidden_state_layer_ids == [0, 2, 4]
+    assert parsed.transformer_layer_config.vocab_size == 1024
+    weights = load_file(str(next(out.glob("*.safetensors"))))
+    ours = load_file(str(src / "draft.safetensors"))
+    assert torch.equal(weights["layers.0.self_attn.q_proj.weight"], ours["midlayer.self_attn.q_proj.weight"])
+    assert torch.equal(weights["d2t"], ours["d2t"]) and torch.equal(weights["t2d"], ours["t2d"])
+    model = Eagle3Speculator.from_pretrained(out, verifier=None, verifier_attachment_mode="detached")
+    state = model.state_dict()
+    for name, tensor in ours.items():
+        assert torch.equal(state[name.replace("midlayer.", "layers.0.")].to(tensor.dtype), tensor), name
+    assert doctor.check([doctor.side_from_draft(src), doctor.side_from_vllm_export(out)]) == []

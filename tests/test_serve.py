@@ -1,0 +1,90 @@
+"""What SGLang will really do with the drafting arguments; the launch command; benchmark."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from workflows.serve import ServeArgsError, launch_command, resolve_spec_args
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_topk1_caps_num_draft_tokens_loudly():
+    e = resolve_spec_args(1, 1, 16, "DeepseekV3ForCausalLM")
+    assert (e.num_steps, e.topk, e.num_draft_tokens) == (1, 1, 2)
+    assert "replaces num_draft_tokens=16 by num_steps+1=2" in e.warnings[0]
+    assert resolve_spec_args(3, 1, 4, "LlamaForCausalLM").warnings == []
+
+
+def test_partial_arguments_are_refused():
+    for args in [(None, 4, None), (None, None, 8), (3, None, None), (3, 2, None)]:
+        with pytest.raises(ServeArgsError, match="set all of num_steps, topk, num_draft_tokens or none"):
+            resolve_spec_args(*args, "LlamaForCausalLM")
+
+
+def test_defaults_per_architecture_are_stated():
+    e = resolve_spec_args(None, None, None, "LlamaForCausalLM")
+    assert (e.num_steps, e.topk, e.num_draft_tokens) == (5, 4, 8) and "SGLang picks" in e.warnings[0]
+    e = resolve_spec_args(None, None, None, "DeepseekV3ForCausalLM")
+    assert (e.num_steps, e.topk, e.num_draft_tokens) == (3, 1, 4)
+    assert (resolve_spec_args(None, None, None, "KimiK25ForConditionalGeneration").num_draft_tokens) == 4
+
+
+def test_tree_bound():
+    assert resolve_spec_args(2, 2, 7, "LlamaForCausalLM").warnings == []  # 6 nodes = 2 + 1*4
+    e = resolve_spec_args(2, 2, 8, "LlamaForCausalLM")
+    assert "exceeds topk + (num_steps-1)*topk^2 = 6" in e.warnings[0] and e.num_draft_tokens == 8
+
+
+def test_launch_command_and_env():
+    e = resolve_spec_args(3, 1, 4, "LlamaForCausalLM")
+    argv, env = launch_command("/m/target", "/m/draft", e, tp_size=8, env={"NCCL_CUMEM_ENABLE": "0"})
+    s = " ".join(argv)
+    assert "-m sglang.launch_server --model-path /m/target --host 127.0.0.1" in s
+    assert "--tp-size 8 --speculative-algorithm EAGLE3 --speculative-draft-model-path /m/draft" in s
+    assert "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4" in s
+    assert env == {"NCCL_CUMEM_ENABLE": "0"}
+    # SGLang's own parser accepts every flag we emit.
+    from sglang.srt.server_args import prepare_server_args
+
+    args = prepare_server_args(argv[3:])
+    assert args.speculative_algorithm == "EAGLE3" and args.speculative_num_draft_tokens == 4
+    assert args.tp_size == 8 and args.host == "127.0.0.1"
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_benchmark_against_a_cpu_sglang_server(tiny_target):
+    from workflows.benchmark import run_benchmark, wait_healthy
+
+    port = _free_port()
+    e = resolve_spec_args(3, 1, 4, "LlamaForCausalLM")
+    argv, env = launch_command(str(tiny_target), "", e, port=port, cpu=True, speculative=False,
+                               extra_args=["--log-level", "warning", "--skip-server-warmup"])
+    proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, timeout_s=240, proc=proc)
+        prompts = ["The quick brown fox", "Once upon a time", "In the beginning"]
+        for api in ("generate", "openai"):
+            res = run_benchmark(url, prompts, max_new_tokens=12, warmup=1, runs=2, concurrency=[1, 3], api=api,
+                                model=str(tiny_target), ignore_eos=True)
+            single, many = res["results"]["1"], res["results"]["3"]
+            assert single["runs"] == 2 and single["completion_tokens"] == 2 * 12
+            assert many["completion_tokens"] == 2 * 3 * 12
+            assert single["tokens_per_s_mean"] > 0 and many["tokens_per_s_mean"] > 0
+            assert single["accept_length"] is None  # no speculation on this server
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)

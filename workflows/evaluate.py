@@ -1,0 +1,286 @@
+"""Stage `evaluate`: does the offline acceptance predict decoding? `<run_dir>/report/`.
+
+For the same held-out answers and the same k draft tokens per target pass:
+
+* **offline**: the training-time-test outputs of the draft, walked as greedy decoding
+  walks the text (`eagle3.metrics`): the figure training reports;
+* **decoded**: the reference speculative decoder (`eagle3.spec_decode`) with the
+  exported draft on the answers' prompts, checked token for token against plain greedy
+  decoding (`lossless`), timed against it (`speedup_decoded`).
+
+`parity_ratio = acceptance_offline / acceptance_decoded`; 1.0 means the offline figure
+predicts decoding. Each answer is cut to `evaluate.max_new_tokens` on both sides, and
+the target and draft run in `evaluate.dtype` on both sides, so a gap means the draft
+behaves differently when decoding (or that the target's own greedy text differs from
+the stored one: `text_agreement` says how often).
+
+    python -m workflows.evaluate target=tiny run_dir=runs/tiny
+"""
+from __future__ import annotations
+
+import bisect
+from pathlib import Path
+
+import hydra
+import torch
+
+from eagle3.metrics import Acceptance, acceptance, assistant_spans
+from eagle3.modeling import Eagle3Draft
+from eagle3.spec_decode import Eagle3Drafter, SpeculativeDecoder, greedy_decode
+from eagle3.target_head import TargetHead
+from eagle3.training import forward_batch
+from eagle3.ttt import TTTConfig
+from workflows.common import atomic_dir, log, mark_done, read_json, stage_is_done, write_json_atomic
+from workflows.config import FullConfig, load_config
+
+
+def heldout_rows(run_dir: Path, limit: int, max_new_tokens: int) -> list[dict]:
+    """Held-out conversations cut to their first answer's first `max_new_tokens` tokens."""
+    from workflows.generate import read_samples
+
+    rows = sorted((r for r in read_samples(run_dir) if r["split"] == "heldout"), key=lambda r: r["id"])
+    if not rows:
+        raise ValueError(f"{run_dir}/generate/samples.parquet has no held-out samples (raise data.heldout_fraction)")
+    out = []
+    for r in rows:
+        spans = assistant_spans(torch.tensor(r["loss_mask"]))
+        if not spans or spans[0][0] < 1 or spans[0][1] - spans[0][0] < 2:
+            continue  # no answer to decode after a prompt
+        s, e = spans[0][0], min(spans[0][1], spans[0][0] + max_new_tokens)
+        out.append({"id": r["id"], "input_ids": r["input_ids"][:e], "loss_mask": [0] * s + [1] * (e - s)})
+        if len(out) == limit:
+            break
+    return out
+
+
+def heldout_batches(model, rows: list[dict], layer_ids: list[int], pad_id: int, batch_size: int = 4):
+    """Held-out training batches by online capture (as the train stage does).
+    TODO(store): read them from the hidden-state store once it lands (same dict layout)."""
+    from workflows.train import capture_all
+
+    groups = [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
+    return groups, capture_all(model, groups, layer_ids, pad_id, "capture held-out")
+
+
+@torch.no_grad()
+def offline_acceptance(draft, head, groups, batches, k: int) -> tuple[Acceptance, list[Acceptance]]:
+    """Walk acceptance overall and per row, from teacher-forced TTT outputs."""
+    draft.eval()
+    total, per_row = Acceptance(k=k), []
+    for group, batch in zip(groups, batches):
+        scores = forward_batch(draft, head, batch, TTTConfig(length=k), train=False)
+        for i in range(len(group)):
+            acc = acceptance(scores.correct[i : i + 1], batch["loss_mask"][i : i + 1],
+                             batch["attention_mask"][i : i + 1], k)
+            per_row.append(acc)
+            total = total.merge(acc)
+    return total, per_row
+
+
+def decode_all(model, draft, rows, capture_ids, num_steps, topk, num_draft_tokens, eos) -> dict:
+    decoder = SpeculativeDecoder(model, Eagle3Drafter(draft), capture_ids, num_steps, topk, num_draft_tokens, eos)
+    gained = forwards = 0
+    reached, accepted = [0] * num_steps, [0] * num_steps
+    spec_s = plain_s = 0.0
+    lossless, agree, total, per_row = True, 0, 0, []
+    try:
+        for r in rows:
+            s = r["loss_mask"].index(1)
+            prompt, answer = r["input_ids"][:s], r["input_ids"][s:]
+            plain, t_plain = greedy_decode(model, prompt, len(answer), eos)
+            res = decoder.generate(prompt, len(answer))
+            lossless &= res.tokens == plain
+            agree += sum(a == b for a, b in zip(plain, answer))
+            total += len(answer)
+            gained, forwards = gained + res.gained, forwards + res.target_forwards
+            reached = [a + b for a, b in zip(reached, res.reached)]
+            accepted = [a + b for a, b in zip(accepted, res.accepted)]
+            spec_s, plain_s = spec_s + res.seconds, plain_s + t_plain
+            per_row.append({"id": r["id"], "prompt_tokens": s, "acceptance": res.acceptance_length,
+                            "gained": res.gained, "passes": res.target_forwards, "tokens": len(res.tokens)})
+    finally:
+        decoder.target.close()
+    tokens = sum(p["tokens"] for p in per_row)
+    return {
+        "acceptance": gained / forwards if forwards else float("nan"), "target_forwards": forwards,
+        "per_position_acceptance": [a / b if b else float("nan") for a, b in zip(accepted, reached)],
+        "lossless": bool(lossless), "text_agreement": agree / total if total else float("nan"),
+        "tokens_per_s_spec": tokens / spec_s, "tokens_per_s_plain": tokens / plain_s,
+        "speedup": plain_s / spec_s, "per_row": per_row,
+    }
+
+
+def by_bucket(prompt_lengths: list[int], values: list[tuple[int, int]], edges: list[int]) -> dict:
+    """Acceptance (sum tokens / sum passes) per prompt-length bucket '<=edge' / '>last'."""
+    names = [f"<={e}" for e in edges] + [f">{edges[-1]}"]
+    sums = {n: [0, 0] for n in names}
+    for length, (tok, passes) in zip(prompt_lengths, values):
+        n = names[bisect.bisect_left(edges, length)]
+        sums[n][0] += tok
+        sums[n][1] += passes
+    return {n: (t / p if p else None) for n, (t, p) in sums.items() if p}
+
+
+def load_draft_for_eval(run_dir: Path, model, dtype: torch.dtype) -> tuple[Eagle3Draft, str]:
+    """The exported SGLang draft (its weights as served), else the trained one."""
+    from safetensors.torch import load_file
+
+    from workflows.checkpoint import load_draft_config, load_draft_weights
+
+    folder = run_dir / "train" / "draft"
+    draft = Eagle3Draft(load_draft_config(folder))
+    draft.load_target_embeddings(model.get_input_embeddings().weight.float())
+    exported = run_dir / "export" / "sglang" / "model.safetensors"
+    if exported.exists():
+        load_draft_weights(folder, draft)  # shape/key checks, then the served weights over them
+        draft.load_state_dict({k: v.float() if v.is_floating_point() else v
+                               for k, v in load_file(str(exported)).items()}, strict=False)
+        source = str(exported)
+    else:
+        load_draft_weights(folder, draft)
+        source = str(folder / "draft.safetensors")
+    return draft.to(dtype).eval(), source
+
+
+def plot(report: dict, folder: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    k = len(report["per_position_acceptance"])
+    xs = list(range(1, k + 1))
+    ax.bar([x - 0.2 for x in xs], report["per_position_acceptance_offline"], 0.4, label="offline (walk)")
+    ax.bar([x + 0.2 for x in xs], report["per_position_acceptance"], 0.4, label="decoded")
+    ax.set(xlabel="draft position", ylabel="P(accepted | reached)", title="Acceptance by draft position", ylim=(0, 1))
+    ax.legend()
+    files.append("per_position.png")
+    fig.tight_layout(), fig.savefig(folder / files[-1], dpi=100), plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    buckets = list(report["acceptance_by_prompt_length_decoded"])
+    ax.bar([i - 0.2 for i in range(len(buckets))],
+           [report["acceptance_by_prompt_length_offline"].get(b) or 0 for b in buckets], 0.4, label="offline")
+    ax.bar([i + 0.2 for i in range(len(buckets))],
+           [report["acceptance_by_prompt_length_decoded"][b] for b in buckets], 0.4, label="decoded")
+    ax.set_xticks(range(len(buckets)), buckets)
+    ax.set(xlabel="prompt tokens", ylabel="tokens per target pass", title="Acceptance by prompt length")
+    ax.legend()
+    files.append("by_prompt_length.png")
+    fig.tight_layout(), fig.savefig(folder / files[-1], dpi=100), plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.bar(["plain greedy", "speculative"], [report["tokens_per_s_plain"], report["tokens_per_s_decoded"]])
+    ax.set(ylabel="tokens/s (batch 1, CPU)", title=f"Reference decoder: x{report['speedup_decoded']:.2f}")
+    files.append("speed.png")
+    fig.tight_layout(), fig.savefig(folder / files[-1], dpi=100), plt.close(fig)
+    return files
+
+
+def markdown(r: dict, plots: list[str]) -> str:
+    lines = [
+        "# EAGLE-3 acceptance report", "",
+        f"Draft `{r['draft']}` on target `{r['target']}`; {r['prompts']} held-out answers "
+        f"(up to {r['max_new_tokens']} tokens each), k = {r['num_steps']} draft tokens per pass, topk = {r['topk']}.", "",
+        "| figure | value |", "|---|---|",
+        f"| acceptance offline (walk over TTT outputs) | {r['acceptance_offline']:.3f} |",
+        f"| acceptance offline, per-position average (overestimates) | {r['acceptance_offline_per_position_average']:.3f} |",
+        f"| acceptance decoded (tokens per target pass) | {r['acceptance_decoded']:.3f} |",
+        f"| parity ratio offline / decoded | {r['parity_ratio']:.3f} |",
+        f"| lossless (decoded == plain greedy on every prompt) | {r['lossless']} |",
+        f"| target's greedy text == stored answer | {r['text_agreement']:.3f} |",
+        f"| tokens/s plain / speculative | {r['tokens_per_s_plain']:.1f} / {r['tokens_per_s_decoded']:.1f} |",
+        f"| speed-up of the reference decoder | {r['speedup_decoded']:.2f} |",
+    ]
+    if "acceptance_decoded_tree" in r:
+        lines.append(f"| tree (topk={r['tree_topk']}, num_draft_tokens={r['tree_num_draft_tokens']}): acceptance / "
+                     f"speed-up / lossless | {r['acceptance_decoded_tree']:.3f} / {r['speedup_decoded_tree']:.2f} / "
+                     f"{r['lossless_tree']} |")
+    for c, b in r.get("served_benchmark", {}).get("results", {}).items():
+        lines.append(f"| served ({r['served_benchmark']['api']}), concurrency {c}: tokens/s, accept length | "
+                     f"{b['tokens_per_s_mean']:.1f}, {b['accept_length']} |")
+    lines += ["", "Per-position acceptance (P(accepted | reached)), offline vs decoded: "
+              f"{[round(x, 3) for x in r['per_position_acceptance_offline']]} vs "
+              f"{[round(x, 3) for x in r['per_position_acceptance']]}", ""]
+    lines += [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def run(cfg: FullConfig, target_path: Path) -> Path:
+    from workflows.target import load_target, target_provenance
+
+    e = cfg.evaluate
+    out = cfg.run_path / "report"
+    draft_file = cfg.run_path / "train" / "draft" / "draft.safetensors"
+    if not draft_file.exists():
+        raise FileNotFoundError(f"{draft_file}: run the train stage first")
+    from eagle3.schema import to_dict
+
+    served = cfg.run_path / "benchmark" / "benchmark.json"  # python -m workflows.benchmark --out ...
+    key = {"evaluate": to_dict(e), "draft": draft_file.stat().st_mtime_ns, "target": target_provenance(target_path),
+           "served": served.stat().st_mtime_ns if served.exists() else None}
+    if stage_is_done(out, key):
+        log(f"evaluate: reusing {out}")
+        return out
+    torch.manual_seed(cfg.seed)
+    dtype = getattr(torch, e.dtype)
+    model, tokenizer = load_target(target_path, dtype=dtype, trust_remote_code=cfg.target.trust_remote_code)
+    cfg.target.check_against_hf_config(model.config)
+    draft, source = load_draft_for_eval(cfg.run_path, model, dtype)
+    ids = draft.cfg.capture_layer_ids
+    rows = heldout_rows(cfg.run_path, e.max_prompts, e.max_new_tokens)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    groups, batches = heldout_batches(model, rows, ids, pad)
+    head = TargetHead.from_hf(model)
+    k = e.num_steps
+    offline, offline_rows = offline_acceptance(draft, head, groups, batches, k)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    log(f"evaluate: decoding {len(rows)} held-out prompts, k={k}, topk={e.topk}")
+    dec = decode_all(model, draft, rows, ids, k, e.topk, e.num_draft_tokens, eos)
+    prompt_lengths = [r["loss_mask"].index(1) for r in rows]
+    report = {
+        "target": str(target_path), "draft": source, "prompts": len(rows), "max_new_tokens": e.max_new_tokens,
+        "num_steps": k, "topk": e.topk, "num_draft_tokens": e.num_draft_tokens or k + 1, "dtype": e.dtype,
+        "acceptance_offline": offline.walk, "acceptance_offline_per_position_average": offline.per_position_average,
+        "acceptance_decoded": dec["acceptance"], "parity_ratio": offline.walk / dec["acceptance"],
+        "lossless": dec["lossless"], "text_agreement": dec["text_agreement"],
+        "per_position_acceptance": dec["per_position_acceptance"],
+        "per_position_acceptance_offline": offline.per_slot_rate,
+        "acceptance_by_prompt_length_offline": by_bucket(
+            prompt_lengths, [(a.tokens, a.passes) for a in offline_rows], e.length_buckets),
+        "acceptance_by_prompt_length_decoded": by_bucket(
+            prompt_lengths, [(p["gained"], p["passes"]) for p in dec["per_row"]], e.length_buckets),
+        "speedup_decoded": dec["speedup"], "tokens_per_s_decoded": dec["tokens_per_s_spec"],
+        "tokens_per_s_plain": dec["tokens_per_s_plain"], "target_forwards_decoded": dec["target_forwards"],
+        "offline_walk_passes": offline.passes, "per_prompt_decoded": dec["per_row"],
+    }
+    if served.exists():
+        report["served_benchmark"] = read_json(served)
+    if e.tree_topk > 1:
+        tree = decode_all(model, draft, rows, ids, k, e.tree_topk, e.tree_num_draft_tokens, eos)
+        report.update({"tree_topk": e.tree_topk, "tree_num_draft_tokens": e.tree_num_draft_tokens,
+                       "acceptance_decoded_tree": tree["acceptance"], "speedup_decoded_tree": tree["speedup"],
+                       "lossless_tree": tree["lossless"]})
+    with atomic_dir(out) as tmp:
+        plots = plot(report, tmp)
+        write_json_atomic(tmp / "report.json", report)
+        (tmp / "report.md").write_text(markdown(report, plots))
+    mark_done(out, key, {k: report[k] for k in ("acceptance_offline", "acceptance_decoded", "parity_ratio",
+                                                 "lossless", "speedup_decoded")})
+    log(f"evaluate: acceptance offline {offline.walk:.3f} decoded {dec['acceptance']:.3f} parity "
+        f"{report['parity_ratio']:.3f} lossless {dec['lossless']} speed-up {dec['speedup']:.2f} -> {out}")
+    return out
+
+
+@hydra.main(config_path="../conf", config_name="full", version_base="1.3")
+def main(hydra_cfg) -> None:
+    from workflows.target import prepare_target
+
+    cfg = load_config(hydra_cfg)
+    run(cfg, prepare_target(cfg.target, cfg.cache_path / "targets", log=log))
+
+
+if __name__ == "__main__":
+    main()

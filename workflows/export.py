@@ -1,0 +1,152 @@
+"""Stage `export`: the trained draft in the layouts serving engines load.
+
+    <run_dir>/export/sglang/   config.json (LlamaForCausalLMEagle3) + model.safetensors
+    <run_dir>/export/vllm/     the `speculators` layout (Eagle3Speculator, layers.0.*),
+                               written by speculators' own Eagle3Converter from the SGLang
+                               export and re-loaded by it (validation)
+
+The draft's tensors already carry SGLang's key names (`fc`, `midlayer.*`, `norm`,
+`lm_head`, `d2t`, `t2d`); the frozen embeddings are not stored, because both engines
+take them from the target. `eagle_config.eagle_aux_hidden_state_layer_ids` is written
+from the draft's provenance: SGLang reads it with our convention (id i = output of layer
+i; it captures the input of layer i+1) and, when it is missing, silently falls back to
+its default layers, the wiring failure this pipeline exists to prevent. The wiring
+doctor runs before anything is written.
+
+    python -m workflows.export target=tiny run_dir=runs/tiny
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from safetensors.torch import load_file, save_file
+
+from eagle3.draft_config import DraftConfig
+from workflows.checkpoint import load_draft_config
+from workflows.common import atomic_dir, log, mark_done, read_json, stage_is_done, write_json_atomic
+from workflows.config import FullConfig, load_config
+
+SGLANG_ARCH = "LlamaForCausalLMEagle3"
+WEIGHTS = "model.safetensors"
+
+
+def sglang_config(draft: DraftConfig, provenance: dict, dtype: str = "bfloat16") -> dict:
+    """config.json for SGLang's LlamaForCausalLMEagle3 (fields it reads, see module doc)."""
+    cfg = {
+        "architectures": [SGLANG_ARCH],
+        "model_type": "llama",
+        "hidden_size": draft.hidden_size,
+        "intermediate_size": draft.intermediate_size,
+        "num_attention_heads": draft.num_attention_heads,
+        "num_key_value_heads": draft.num_key_value_heads,
+        "head_dim": draft.head_dim,
+        "num_hidden_layers": 1,  # one EAGLE-3 decoder layer (`midlayer`)
+        "hidden_act": "silu",
+        "rms_norm_eps": draft.rms_norm_eps,
+        "rope_theta": draft.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": draft.max_position_embeddings,
+        "vocab_size": draft.vocab_size,  # the target's: embeddings are the target's
+        "draft_vocab_size": draft.draft_vocab_size,
+        # Separate lm_head over the draft vocabulary (the draft's own, not the target's).
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": dtype,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(provenance["capture_layer_ids"]),
+            "use_aux_hidden_state": True,
+        },
+        # Ours, for the doctor: SGLang ignores unknown fields.
+        "eagle3_pipeline": {
+            "layer_id_convention": provenance.get("layer_id_convention"),
+            "target_path": provenance.get("target", {}).get("path"),
+            "tokenizer_sha256": provenance.get("target", {}).get("tokenizer_sha256"),
+            "chat_template_sha256": provenance.get("target", {}).get("chat_template_sha256"),
+            "target_num_layers": draft.target_num_layers,
+        },
+    }
+    if draft.target_hidden_size != draft.hidden_size:
+        cfg["target_hidden_size"] = draft.target_hidden_size
+    return cfg
+
+
+def export_sglang(draft_dir: Path, out: Path, dtype: str = "bfloat16") -> Path:
+    import torch
+
+    draft_cfg = load_draft_config(draft_dir)
+    provenance = read_json(draft_dir / "provenance.json")
+    if list(provenance["capture_layer_ids"]) != list(draft_cfg.capture_layer_ids):
+        raise ValueError(f"{draft_dir}: provenance.json capture_layer_ids={provenance['capture_layer_ids']} "
+                         f"but draft_config.json capture_layer_ids={draft_cfg.capture_layer_ids}")
+    weights = load_file(str(draft_dir / "draft.safetensors"))
+    torch_dtype = getattr(torch, dtype)
+    # Floating weights in the serving dtype; d2t (int64) and t2d (bool) stay as they are.
+    weights = {k: (v.to(torch_dtype) if v.is_floating_point() else v).contiguous() for k, v in weights.items()}
+    with atomic_dir(out) as tmp:
+        save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        write_json_atomic(tmp / "config.json", sglang_config(draft_cfg, provenance, dtype))
+        write_json_atomic(tmp / "provenance.json", provenance)
+    return out
+
+
+def speculators_available() -> bool:
+    try:
+        import speculators.convert.eagle.eagle3_converter  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def export_vllm(sglang_dir: Path, out: Path, target_path: Path, capture_ids: list[int]) -> Path:
+    """The speculators layout, by speculators' own converter; it re-loads the result."""
+    from speculators.convert.eagle.eagle3_converter import Eagle3Converter
+
+    with atomic_dir(out) as tmp:
+        Eagle3Converter().convert(input_path=sglang_dir, output_path=tmp, base_model=str(target_path),
+                                  validate=True, eagle_aux_hidden_state_layer_ids=list(capture_ids))
+        write_json_atomic(tmp / "provenance.json", read_json(sglang_dir / "provenance.json"))
+    return out
+
+
+def run(cfg: FullConfig, target_path: Path) -> Path:
+    from workflows import doctor
+    from workflows.target import target_provenance
+
+    draft_dir = cfg.run_path / "train" / "draft"
+    out = cfg.run_path / "export"
+    if not (draft_dir / "draft.safetensors").exists():
+        raise FileNotFoundError(f"{draft_dir}/draft.safetensors: run the train stage first")
+    key = {"draft": (draft_dir / "draft.safetensors").stat().st_mtime_ns,
+           "target": target_provenance(target_path), "dtype": cfg.target.dtype}
+    if stage_is_done(out, key):
+        log(f"export: reusing {out}")
+        return out
+    # The doctor first: never export a draft whose wiring contradicts the target.
+    doctor.raise_on_errors(doctor.check(doctor.sides_for_run(cfg, target_path, with_export=False)))
+    dtype = "float32" if cfg.target.dtype == "float32" else cfg.target.dtype
+    export_sglang(draft_dir, out / "sglang", dtype)
+    formats = ["sglang"]
+    if speculators_available():
+        export_vllm(out / "sglang", out / "vllm", target_path, cfg.target.capture_ids)
+        formats.append("vllm")
+    else:
+        log("export: the `speculators` package is not installed; vLLM export skipped "
+            "(pip install -e .[vllm])")
+    doctor.raise_on_errors(doctor.check(doctor.sides_for_run(cfg, target_path, with_export=True)))
+    mark_done(out, key, {"formats": formats})
+    log(f"export: wrote {', '.join(str(out / f) for f in formats)}")
+    return out
+
+
+@hydra.main(config_path="../conf", config_name="full", version_base="1.3")
+def main(hydra_cfg) -> None:
+    from workflows.target import prepare_target
+
+    cfg = load_config(hydra_cfg)
+    run(cfg, prepare_target(cfg.target, cfg.cache_path / "targets", log=log))
+
+
+if __name__ == "__main__":
+    main()
