@@ -301,9 +301,9 @@ def main(hydra_cfg) -> None:
         size["space"] = check_space(store_url(cfg), size["projected_bytes"], ignore=True)
         print(json.dumps(size, indent=2))
         return
-    from workflows.target import prepare_target
+    from workflows.target import prepare_for
 
-    run(cfg, prepare_target(cfg.target, cfg.cache_path / "targets", log=log))
+    run(cfg, prepare_for(cfg, log=log))
 
 
 if __name__ == "__main__":

@@ -207,10 +207,10 @@ def sides_for_run(cfg, target_path: Path, with_export: bool = True) -> list[Side
 @hydra.main(config_path="../conf", config_name="full", version_base="1.3")
 def main(hydra_cfg) -> None:
     from workflows.config import load_config
-    from workflows.target import prepare_target
+    from workflows.target import prepare_for
 
     cfg = load_config(hydra_cfg)
-    sides = sides_for_run(cfg, prepare_target(cfg.target, cfg.cache_path / "targets", log=log))
+    sides = sides_for_run(cfg, prepare_for(cfg, log=log))
     errors = check(sides)
     for s in sides:
         log(f"doctor: read {s.name}")

@@ -142,10 +142,10 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
 
 @hydra.main(config_path="../conf", config_name="full", version_base="1.3")
 def main(hydra_cfg) -> None:
-    from workflows.target import prepare_target
+    from workflows.target import prepare_for
 
     cfg = load_config(hydra_cfg)
-    run(cfg, prepare_target(cfg.target, cfg.cache_path / "targets", log=log))
+    run(cfg, prepare_for(cfg, log=log))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ def run(cfg: FullConfig) -> dict:
     from workflows import capture, evaluate, export, generate, target, train, vocab
 
     log(f"run_dir={cfg.run_path} target={cfg.target.name} stages={cfg.stages}")
-    target_path = target.prepare_target(cfg.target, cfg.cache_path / "targets", log=log)
+    target_path = target.prepare_for(cfg, log=log)
     outputs = {"target": target_path}
     if "generate" in cfg.stages:
         outputs["generate"] = generate.run(cfg, target_path)

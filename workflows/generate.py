@@ -274,11 +274,10 @@ def read_samples(run_dir: Path) -> list[dict]:
 
 @hydra.main(config_path="../conf", config_name="full", version_base="1.3")
 def main(hydra_cfg) -> None:
-    from workflows import target
+    from workflows.target import prepare_for
 
     cfg = load_config(hydra_cfg)
-    target_path = target.prepare_target(cfg.target, cfg.cache_path / "targets", log=log)
-    run(cfg, target_path)
+    run(cfg, prepare_for(cfg, log=log))
 
 
 if __name__ == "__main__":

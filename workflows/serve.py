@@ -118,11 +118,11 @@ def target_architecture(target_path: str | Path) -> str:
 def main(hydra_cfg) -> None:
     from workflows import doctor
     from workflows.config import load_config
-    from workflows.target import prepare_target
+    from workflows.target import prepare_for
 
     cfg = load_config(hydra_cfg)
     s = cfg.serve
-    target_path = prepare_target(cfg.target, cfg.cache_path / "targets", log=log)
+    target_path = prepare_for(cfg, log=log)
     draft = Path(s.draft_path) if s.draft_path else cfg.run_path / "export" / "sglang"
     effect = resolve_spec_args(s.num_steps, s.topk, s.num_draft_tokens, target_architecture(target_path))
     for w in effect.warnings:

@@ -86,6 +86,11 @@ def prepare_target(spec: TargetSpec, cache_dir: str | Path, log: Log = print) ->
     return final
 
 
+def prepare_for(cfg, log: Log = print) -> Path:
+    """The prepared target of a pipeline config (`cfg.target`, cached under `cfg.cache_dir`)."""
+    return prepare_target(cfg.target, cfg.cache_path / "targets", log=log)
+
+
 def load_target(path: str | Path, dtype: torch.dtype | str = torch.float32,
                 trust_remote_code: bool = False) -> tuple[Any, Any]:
     """(model, tokenizer) from a prepared folder: eval mode, frozen, in `dtype`."""
