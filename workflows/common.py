@@ -101,3 +101,22 @@ def code_version() -> str:
 
 def python_command() -> str:
     return " ".join([Path(sys.executable).name, *sys.argv])
+
+
+def stage_main(run_stage):
+    """The `python -m workflows.<stage>` entry point of a stage `run_stage(cfg, target_path)`:
+    Hydra composes conf/full.yaml with the command-line overrides, the target is prepared,
+    the stage runs."""
+    import hydra
+
+    conf = Path(__file__).resolve().parents[1] / "conf"  # absolute: this module is not the caller
+
+    @hydra.main(config_path=str(conf), config_name="full", version_base="1.3")
+    def main(hydra_cfg) -> None:
+        from workflows.config import load_config
+        from workflows.target import prepare_for
+
+        cfg = load_config(hydra_cfg)
+        run_stage(cfg, prepare_for(cfg, log=log))
+
+    return main

@@ -21,7 +21,6 @@ from __future__ import annotations
 import bisect
 from pathlib import Path
 
-import hydra
 import torch
 
 from eagle3.metrics import Acceptance, acceptance, assistant_spans
@@ -30,8 +29,8 @@ from eagle3.spec_decode import Eagle3Drafter, SpeculativeDecoder, greedy_decode
 from eagle3.target_head import TargetHead
 from eagle3.training import forward_batch
 from eagle3.ttt import TTTConfig
-from workflows.common import atomic_dir, log, mark_done, read_json, stage_is_done, write_json_atomic
-from workflows.config import FullConfig, load_config
+from workflows.common import atomic_dir, log, mark_done, read_json, stage_is_done, stage_main, write_json_atomic
+from workflows.config import FullConfig
 
 
 def heldout_rows(run_dir: Path, limit: int, max_new_tokens: int) -> list[dict]:
@@ -274,12 +273,7 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     return out
 
 
-@hydra.main(config_path="../conf", config_name="full", version_base="1.3")
-def main(hydra_cfg) -> None:
-    from workflows.target import prepare_for
-
-    cfg = load_config(hydra_cfg)
-    run(cfg, prepare_for(cfg, log=log))
+main = stage_main(run)
 
 
 if __name__ == "__main__":

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import hydra
 from safetensors.torch import load_file, save_file
 
 from eagle3.draft_config import DraftConfig
 from workflows.checkpoint import load_draft_config
-from workflows.common import atomic_dir, log, mark_done, read_json, stage_is_done, write_json_atomic
-from workflows.config import FullConfig, load_config
+from workflows.common import atomic_dir, log, mark_done, read_json, stage_is_done, stage_main, write_json_atomic
+from workflows.config import FullConfig
 
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
 WEIGHTS = "model.safetensors"
@@ -140,12 +139,7 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     return out
 
 
-@hydra.main(config_path="../conf", config_name="full", version_base="1.3")
-def main(hydra_cfg) -> None:
-    from workflows.target import prepare_for
-
-    cfg = load_config(hydra_cfg)
-    run(cfg, prepare_for(cfg, log=log))
+main = stage_main(run)
 
 
 if __name__ == "__main__":

@@ -27,10 +27,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Callable
 
-import hydra
 
-from workflows.common import config_hash, log, mark_done, read_json, stage_is_done, write_json_atomic
-from workflows.config import PROJECT_ROOT, FullConfig, load_config, resolve_data_path
+from workflows.common import config_hash, log, mark_done, read_json, stage_is_done, stage_main, write_json_atomic
+from workflows.config import PROJECT_ROOT, FullConfig, resolve_data_path
 
 SHARDS = "shards"
 
@@ -272,12 +271,7 @@ def read_samples(run_dir: Path) -> list[dict]:
     return rows
 
 
-@hydra.main(config_path="../conf", config_name="full", version_base="1.3")
-def main(hydra_cfg) -> None:
-    from workflows.target import prepare_for
-
-    cfg = load_config(hydra_cfg)
-    run(cfg, prepare_for(cfg, log=log))
+main = stage_main(run)
 
 
 if __name__ == "__main__":
