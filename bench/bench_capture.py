@@ -32,14 +32,16 @@ def main() -> None:
     args = ap.parse_args()
 
     from storage.store import HiddenStateStore
-    from workflows.capture_engine import HFEngine, ShardPlan, capture_and_write
-    from workflows.target import _read_json, _text_config
+    from workflows.capture.writer import ShardPlan, capture_and_write
+    from workflows.core.engines import EngineSpec, HFEngine
+    from workflows.core.provenance import read_hf_config
 
     target = Path(args.target) if args.target else _tiny_target()
-    text = _text_config(_read_json(target / "config.json"))
+    _, text = read_hf_config(target)
     n_layers, hidden = text["num_hidden_layers"], text["hidden_size"]
     ids = args.layer_ids or [1, n_layers // 2 - 1, n_layers - 4] if n_layers >= 8 else args.layer_ids or [0, 2, 4]
-    engine = HFEngine(str(target), ids, dtype=args.dtype, micro_batch_tokens=args.micro_batch_tokens)
+    engine = HFEngine(EngineSpec(str(target), dtype=args.dtype, layer_ids=ids,
+                                 micro_batch_tokens=args.micro_batch_tokens))
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, text["vocab_size"], (args.length - (i % 7) * 3,), generator=g).tolist()
             for i in range(args.samples)]
@@ -48,7 +50,7 @@ def main() -> None:
              for k in range(0, len(seqs), args.shard_samples)]
     tokens = sum(len(s) for s in seqs)
     engine.bare_forward(seqs[: args.shard_samples])  # warm-up
-    prov = {"format_version": 1, "hidden_size": hidden, "capture_layer_ids": ids, "final_is_normed": True, "target": {}}
+    prov = {"hidden_size": hidden, "capture_layer_ids": ids, "final_is_normed": True, "target": {}}
     bare_s, cap_s = [], []
     tmp = Path(tempfile.mkdtemp(prefix="bench_capture_"))
     try:
@@ -75,7 +77,7 @@ def _tiny_target() -> Path:
 
     from eagle3.schema import from_dict
     from eagle3.target_spec import TargetSpec
-    from workflows.target import prepare_target
+    from workflows.core.targets import prepare_target
 
     root = Path(__file__).resolve().parents[1]
     spec = from_dict(TargetSpec, yaml.safe_load((root / "conf/target/tiny.yaml").read_text()), "target")

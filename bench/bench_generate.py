@@ -12,26 +12,24 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
-from workflows import generate
-from workflows.common import log
-from workflows.config import PROJECT_ROOT, load_config
-from workflows.target import prepare_target
+from workflows.core.cli import log
+from workflows.core.config import compose
+from workflows.core.layout import RunLayout
+from workflows.core.targets import prepare_for
+from workflows.generate import stage as generate
 
 
 def main(overrides: list[str]) -> dict:
     from eagle3.chat_template import generation_prompt_ids
-    from workflows.regenerate import HFEngine, Settings
+    from workflows.core.engines import EngineSpec, HFEngine
+    from workflows.generate.regenerate import Settings
 
     defaults = ["mixture=bundled", "data.limit=16", "data.max_new_tokens=64", "data.batch_size=8",
                 "data.shard_size=8", "data.temperature=0"]
-    with tempfile.TemporaryDirectory() as tmp, initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"),
-                                                                     version_base="1.3"):
-        cfg = load_config(compose("full", overrides=[*defaults, f"run_dir={tmp}", *overrides]))
-        target_path = prepare_target(cfg.target, cfg.cache_path / "targets", log=log)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = compose([*defaults, f"run_dir={tmp}", *overrides])
+        target_path = prepare_for(cfg, log=log)
         prompts = generate.ingest_mixture(cfg)[0]
         if any(sum(m["role"] == "user" for m in p["messages"]) != 1 for p in prompts):
             raise SystemExit("bench_generate compares single-turn prompts only (use mixture=bundled)")
@@ -39,14 +37,14 @@ def main(overrides: list[str]) -> dict:
         # Plain: one in-process engine, batched generate over the same generation prompts.
         s = Settings(max_new_tokens=cfg.data.max_new_tokens, max_length=cfg.data.max_length, dtype=cfg.target.dtype)
         t0 = time.perf_counter()
-        engine = HFEngine(str(target_path), s)
+        engine = HFEngine(EngineSpec(str(target_path), dtype=s.dtype))
         load_s = time.perf_counter() - t0
         ids = [generation_prompt_ids(engine.tokenizer, [m for m in p["messages"] if m["role"] != "assistant"],
                                      **s.template_kwargs) for p in prompts]
         t0 = time.perf_counter()
         plain_tokens = 0
         for i in range(0, len(ids), cfg.data.batch_size):
-            for answer, finish in engine.generate(ids[i: i + cfg.data.batch_size], s):
+            for answer, finish in engine.generate(ids[i: i + cfg.data.batch_size], s.max_new_tokens):
                 plain_tokens += len(answer) + (finish == "eos")  # the stage masks the end-of-turn token too
         plain_s = time.perf_counter() - t0
         del engine
@@ -56,7 +54,7 @@ def main(overrides: list[str]) -> dict:
         phases = {}
         out = generate.run(cfg, target_path, on_commit=lambda k: phases.setdefault("first_commit", time.perf_counter()))
         stage_s = time.perf_counter() - t0
-        samples = generate.read_samples(Path(tmp))
+        samples = RunLayout.of(cfg).read_corpus()
         stage_tokens = sum(sum(r["loss_mask"]) for r in samples)
         del out
     result = {

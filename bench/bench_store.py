@@ -43,7 +43,7 @@ def bench(root: Path, shards, hidden: int, chunk_mb: float) -> dict:
     from storage.store import HiddenStateStore
 
     total = sum(s.nbytes for s in shards)
-    prov = {"format_version": 1, "hidden_size": hidden, "capture_layer_ids": [1, 2, 3], "final_is_normed": True,
+    prov = {"hidden_size": hidden, "capture_layer_ids": [1, 2, 3], "final_is_normed": True,
             "target": {}}
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)

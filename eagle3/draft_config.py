@@ -51,20 +51,14 @@ class DraftConfig:
         intermediate_size: int | None = None,
     ) -> "DraftConfig":
         """The usual EAGLE-3 draft: the target's width, heads and rotary settings."""
+        shape = target.layer_shape()
         cfg = cls(
-            hidden_size=target.hidden_size,
-            num_attention_heads=target.num_attention_heads,
-            num_key_value_heads=target.num_key_value_heads,
-            head_dim=target.resolved_head_dim,
-            intermediate_size=intermediate_size or target.intermediate_size,
-            vocab_size=target.vocab_size,
-            draft_vocab_size=min(draft_vocab_size, target.vocab_size),
+            **{**shape, "intermediate_size": intermediate_size or shape["intermediate_size"]},
+            draft_vocab_size=draft_vocab_size,  # validate() refuses one above the target vocab
             target_hidden_size=target.hidden_size,
             target_num_layers=target.num_layers,
             capture_layer_ids=target.capture_ids,
-            rms_norm_eps=target.rms_norm_eps,
             rope_theta=target.rope_theta,
-            max_position_embeddings=target.max_position_embeddings,
         )
         cfg.validate()
         return cfg

@@ -69,3 +69,9 @@ def from_sglang_layer_inputs(layers: Sequence[int]) -> list[int]:
 
 def to_sglang_layer_inputs(ids: Sequence[int]) -> list[int]:
     return [int(i) + 1 for i in ids]
+
+
+def sglang_default_layer_inputs(num_layers: int) -> list[int]:
+    """The layers (by input) SGLang captures for a Llama-family draft whose config names none
+    (its models/llama.py): [2, N // 2, N - 3], i.e. ids `default_capture_ids(N)`."""
+    return [2, num_layers // 2, num_layers - 3]

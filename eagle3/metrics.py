@@ -14,7 +14,7 @@ target's greedy choice. With k draft tokens per target pass:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -39,18 +39,45 @@ def assistant_spans(loss_mask: torch.Tensor) -> list[tuple[int, int]]:
 
 
 @dataclass
+class SlotCounts:
+    """Per draft slot i: target passes whose chain reached slot i, and those that accepted it.
+    The offline walk and the reference decoder count alike, so their rates compare."""
+
+    reached: list[int]
+    accepted: list[int]
+
+    @classmethod
+    def zeros(cls, k: int) -> "SlotCounts":
+        return cls([0] * k, [0] * k)
+
+    def record(self, m: int, remaining: int) -> None:
+        """One pass that accepted `m` leading drafts with `remaining` tokens left to produce:
+        slots past the end of the text are neither reached nor scored."""
+        for i in range(min(m + 1, len(self.reached), remaining)):
+            self.reached[i] += 1
+            self.accepted[i] += int(i < m)
+
+    def merge(self, other: "SlotCounts") -> "SlotCounts":
+        return SlotCounts([a + b for a, b in zip(self.reached, other.reached)],
+                          [a + b for a, b in zip(self.accepted, other.accepted)])
+
+    @property
+    def rate(self) -> list[float]:
+        """P(slot i accepted | slot i reached): the conditional acceptance by draft position."""
+        return [a / r if r else float("nan") for a, r in zip(self.accepted, self.reached)]
+
+
+@dataclass
 class Acceptance:
     k: int
     tokens: int = 0  # tokens produced by the walk (bonus tokens included)
     passes: int = 0  # target passes in the walk
     position_sum: int = 0  # sum of 1 + leading correct over every scored row
     positions: int = 0
-    reached: list[int] = field(default_factory=list)  # walk passes whose chain reached draft slot i
-    accepted: list[int] = field(default_factory=list)  # ... and accepted it
+    slots: SlotCounts | None = None  # per draft slot, over the walk's passes
 
     def __post_init__(self):
-        self.reached = self.reached or [0] * self.k
-        self.accepted = self.accepted or [0] * self.k
+        self.slots = self.slots or SlotCounts.zeros(self.k)
 
     @property
     def walk(self) -> float:
@@ -62,15 +89,13 @@ class Acceptance:
 
     @property
     def per_slot_rate(self) -> list[float]:
-        """P(slot i accepted | slot i reached): the conditional acceptance by draft position."""
-        return [a / r if r else float("nan") for a, r in zip(self.accepted, self.reached)]
+        return self.slots.rate
 
     def merge(self, other: "Acceptance") -> "Acceptance":
         return Acceptance(
             k=self.k, tokens=self.tokens + other.tokens, passes=self.passes + other.passes,
             position_sum=self.position_sum + other.position_sum, positions=self.positions + other.positions,
-            reached=[a + b for a, b in zip(self.reached, other.reached)],
-            accepted=[a + b for a, b in zip(self.accepted, other.accepted)],
+            slots=self.slots.merge(other.slots),
         )
 
     def as_dict(self) -> dict:
@@ -98,10 +123,7 @@ def acceptance_one(correct: torch.Tensor, loss_mask: torch.Tensor, length: int, 
             remaining = e - 1 - p  # tokens of this turn still to produce
             # Guesses past the end of the text have no label (their `correct` is padding): not scored.
             m = min(lead[p - 1], k, remaining)
-            for i in range(min(m + 1, k, remaining)):
-                acc.reached[i] += 1
-                if i < m:
-                    acc.accepted[i] += 1
+            acc.slots.record(m, remaining)
             gain = min(m + 1, remaining)
             acc.tokens += gain
             acc.passes += 1

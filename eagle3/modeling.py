@@ -21,6 +21,7 @@ from torch import nn
 
 from eagle3.attention import AttentionState, upcast
 from eagle3.draft_config import DraftConfig
+from eagle3.vocab import target_ids_of
 
 
 class RMSNorm(nn.Module):
@@ -147,6 +148,10 @@ class Eagle3Draft(nn.Module):
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
+
+    def target_ids(self) -> torch.Tensor:
+        """The target id of every draft id (on the buffers' device)."""
+        return target_ids_of(self.d2t)
 
     # --- the maths --------------------------------------------------------------------
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:

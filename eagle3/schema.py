@@ -97,6 +97,36 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, path: str = "") -> T
     return obj
 
 
+def check_ranges(obj: Any, where: str, **rules: str) -> None:
+    """Refuse numeric fields outside their range, naming the dotted field.
+
+    A rule is `>=1`, `>0`, or an interval such as `[0,1)` or `(0,1]`; a field whose value
+    is None (an optional setting left unset) is not checked. Lists are checked item by item.
+    """
+    for name, rule in rules.items():
+        value = getattr(obj, name)
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v is not None and not _within(v, rule):
+                raise ConfigError(f"{where}.{name}={value!r} is out of range: it must be {_describe(rule)}")
+
+
+def _within(v: float, rule: str) -> bool:
+    if rule.startswith(">="):
+        return v >= float(rule[2:])
+    if rule.startswith(">"):
+        return v > float(rule[1:])
+    lo, hi = rule[1:-1].split(",")
+    above = v >= float(lo) if rule[0] == "[" else v > float(lo)
+    below = v <= float(hi) if rule[-1] == "]" else v < float(hi)
+    return above and below
+
+
+def _describe(rule: str) -> str:
+    if rule.startswith(">="):
+        return f">= {rule[2:]}"
+    return f"> {rule[1:]}" if rule.startswith(">") else f"in {rule}"
+
+
 def to_dict(obj: Any) -> dict:
     """A plain, JSON-ready dict of a config dataclass (for provenance records)."""
     return dataclasses.asdict(obj)

@@ -28,8 +28,8 @@ from typing import Protocol
 import torch
 
 from eagle3.attention import KVCache, _softmax_fp32, upcast
-from eagle3.layer_ids import EMBEDDING, validate_capture_ids
-from eagle3.target_features import decoder_layers
+from eagle3.metrics import SlotCounts
+from eagle3.target_features import LayerTap
 
 
 @dataclass
@@ -170,23 +170,11 @@ class TargetRunner:
 
     def __init__(self, model, capture_ids: list[int]):
         self.model = model.eval()
-        layers = decoder_layers(model)
-        self.capture_ids = validate_capture_ids(capture_ids, len(layers), "capture_layer_ids")
-        self.grabbed: dict[int, torch.Tensor] = {}
-        self.handles = []
-        for i in self.capture_ids:
-            module = model.get_input_embeddings() if i == EMBEDDING else layers[i]
-            self.handles.append(module.register_forward_hook(self._keep(i)))
+        self.tap = LayerTap(model, capture_ids)
         self.reset()
 
-    def _keep(self, layer_id):
-        def hook(_module, _inputs, output):
-            self.grabbed[layer_id] = output[0] if isinstance(output, tuple) else output
-        return hook
-
     def close(self) -> None:
-        for h in self.handles:
-            h.remove()
+        self.tap.close()
 
     def reset(self) -> None:
         from transformers import DynamicCache
@@ -207,8 +195,7 @@ class TargetRunner:
             kwargs["attention_mask"] = additive[None, None]
         out = self.model(input_ids=ids, position_ids=torch.tensor([positions], device=dev),
                          past_key_values=self.cache, use_cache=True, **kwargs)
-        aux = torch.cat([self.grabbed[i] for i in self.capture_ids], dim=-1)[0]
-        return out.logits[0].argmax(-1), aux
+        return out.logits[0].argmax(-1), self.tap.aux()[0]
 
     def keep_rows(self, past: int, rows: list[int]) -> None:
         """Keep the first `past` cached positions plus the new block's `rows`."""
@@ -228,8 +215,7 @@ class DecodeResult:
     tokens: list[int]  # generated tokens (prompt excluded)
     target_forwards: int  # verify forwards (the prefill not counted)
     gained: int  # tokens produced by verify forwards
-    reached: list[int]  # rounds whose accepted path reached draft depth i+1 ...
-    accepted: list[int]  # ... and accepted a token there
+    slots: SlotCounts  # rounds whose accepted path reached draft depth i+1, and accepted there
     seconds: float
 
     @property
@@ -258,7 +244,7 @@ class SpeculativeDecoder:
         tgt.length = len(prompt)
         out = [int(greedy[-1])]
         drafter.commit(list(prompt[1:]) + out, aux)
-        res = DecodeResult([], 0, 0, [0] * self.num_steps, [0] * self.num_steps, 0.0)
+        res = DecodeResult([], 0, 0, SlotCounts.zeros(self.num_steps), 0.0)
         while len(out) < max_new_tokens and out[-1] not in self.eos:
             tree = drafter.propose(self.num_steps, self.topk, self.num_draft_tokens)
             past, q = tgt.length, len(tree) + 1
@@ -282,10 +268,7 @@ class SpeculativeDecoder:
             # Drafts past the requested length are not scored (as the offline walk, whose
             # text ends there, cannot score them).
             remaining = max_new_tokens - len(out)
-            m = min(len(path) - 1, remaining)
-            for i in range(min(m + 1, self.num_steps, remaining)):
-                res.reached[i] += 1
-                res.accepted[i] += i < m
+            res.slots.record(min(len(path) - 1, remaining), remaining)
             tgt.keep_rows(past, path)
             drafter.commit(new, aux[path])
             new = truncate_at_eos(new, self.eos)[: max_new_tokens - len(out)]

@@ -37,7 +37,8 @@ class TargetSpec:
     trust_remote_code: bool = False
     tp_size: int = 1
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
-    # Environment for multi-GPU serving/capture (NCCL settings etc.); never secrets.
+    # Environment of the serving engine's processes (NCCL settings etc.); its values are never
+    # recorded or printed (they may hold tokens).
     env: dict[str, Any] = field(default_factory=dict)
     # Seed of the tiny random target (source=tiny_trained only).
     seed: int = 0
@@ -64,6 +65,14 @@ class TargetSpec:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def layer_shape(self) -> dict:
+        """The shape of one of the target's decoder layers, in HF Llama config names (an EAGLE-3
+        draft layer copies it; the tiny target is built from it)."""
+        return {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+                "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+                "head_dim": self.resolved_head_dim, "rms_norm_eps": self.rms_norm_eps,
+                "max_position_embeddings": self.max_position_embeddings, "vocab_size": self.vocab_size}
 
     def check_against_hf_config(self, hf_config: Any, where: str = "target") -> None:
         """Refuse a checkpoint whose config contradicts this preset, naming the field."""

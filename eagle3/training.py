@@ -1,7 +1,7 @@
 """One flat single-process training loop over in-memory batches.
 
-The distributed trainer (Ray Train + DeepSpeed) wraps `train_step`; tests and the CPU
-default call `train_in_memory` directly. A batch is a dict of tensors:
+`train_step` is the unit of training; `train_in_memory` cycles it over a list of batches
+(the train stage, the tests and the benchmarks call it). A batch is a dict of tensors:
 
     input_ids [B, T] int64      loss_mask [B, T]      attention_mask [B, T] (right padding)
     aux [B, T, n*H_t]           final [B, T, H_t]     (target states, see storage/)
@@ -17,14 +17,14 @@ import torch
 
 from eagle3.metrics import acceptance
 from eagle3.modeling import Eagle3Draft
-from eagle3.schema import ConfigError
+from eagle3.schema import ConfigError, check_ranges
 from eagle3.target_head import TargetHead
 from eagle3.ttt import TTTConfig, add_noise, score_steps, step_weights, unroll
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-4
+    lr: float = 3e-4
     weight_decay: float = 0.0
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
@@ -32,22 +32,33 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
 
     def validate(self, where: str = "optim") -> None:
-        if self.lr <= 0:
-            raise ConfigError(f"{where}.lr must be positive, got {self.lr}")
+        # grad_clip <= 0 would zero every gradient; betas outside [0, 1) diverge.
+        check_ranges(self, where, lr=">0", weight_decay=">=0", warmup_steps=">=0", min_lr_ratio="[0,1]",
+                     grad_clip=">0", betas="[0,1)")
         if len(self.betas) != 2:
             raise ConfigError(f"{where}.betas must have two values, got {self.betas}")
 
 
 @dataclass
 class LoopConfig:
-    steps: int = 100
+    steps: int = 300
     ttt: TTTConfig = field(default_factory=TTTConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     # bf16 autocast: on AMX CPUs and GPUs the matmuls run several times faster (bench/).
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     acceptance_k: int = 4  # draft tokens per target pass in the simulated acceptance
-    log_every: int = 10
+    log_every: int = 25
     seed: int = 0
+
+    def validate(self, where: str = "train") -> None:
+        self.ttt.validate(f"{where}.ttt")
+        self.optim.validate(f"{where}.optim")
+        check_ranges(self, where, steps=">=1", acceptance_k=">=1", log_every=">=1")
+        if self.acceptance_k > self.ttt.length:
+            raise ConfigError(
+                f"{where}.acceptance_k={self.acceptance_k} exceeds {where}.ttt.length={self.ttt.length}: "
+                "acceptance of k drafts is simulated from k unrolled steps"
+            )
 
 
 def lr_at(step: int, total: int, cfg: OptimConfig) -> float:
@@ -69,7 +80,7 @@ def forward_batch(draft, head: TargetHead, batch: dict, ttt: TTTConfig, train: b
     aux = batch["aux"]
     if train:
         aux = add_noise(aux, ttt.noise, generator)
-    probs, best = head(batch["final"], draft.draft_to_target(torch.arange(draft.cfg.draft_vocab_size)))
+    probs, best = head(batch["final"], draft.target_ids())
     hiddens = unroll(draft, batch["input_ids"], aux, batch["attention_mask"], ttt.length)
     weights = step_weights(batch["loss_mask"], batch["attention_mask"], ttt.length)
     return score_steps(draft, hiddens, probs, best, weights, ttt.decay)
@@ -156,7 +167,8 @@ def train_in_memory(
         if eval_batches is not None and (done % cfg.log_every == 0 or done == cfg.steps):
             record["eval"] = evaluate(draft, head, eval_batches, cfg)
         history.append(record)
-        if log is not None and (done % cfg.log_every == 0 or step == start or done == cfg.steps):
+        # The same steps are logged whether or not the run was resumed in between.
+        if log is not None and (done % cfg.log_every == 0 or step == 0 or done == cfg.steps):
             log(record)
         if checkpoint is not None and ((checkpoint_every and done % checkpoint_every == 0) or done == cfg.steps):
             checkpoint(done, optimizer, generator)

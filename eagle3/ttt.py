@@ -21,7 +21,7 @@ import torch
 
 from eagle3.attention import TTTAttention
 from eagle3.modeling import Eagle3Draft
-from eagle3.schema import ConfigError
+from eagle3.schema import check_ranges
 
 
 @dataclass
@@ -30,8 +30,7 @@ class NoiseConfig:
     std: float = 0.05  # absolute, on the captured target states (the seed pipeline's value)
 
     def validate(self, where: str = "noise") -> None:
-        if self.std < 0:
-            raise ConfigError(f"{where}.std must be >= 0, got {self.std}")
+        check_ranges(self, where, std=">=0")
 
 
 @dataclass
@@ -41,10 +40,8 @@ class TTTConfig:
     noise: NoiseConfig = field(default_factory=NoiseConfig)
 
     def validate(self, where: str = "ttt") -> None:
-        if self.length < 1:
-            raise ConfigError(f"{where}.length must be >= 1, got {self.length}")
-        if not 0 < self.decay <= 1:
-            raise ConfigError(f"{where}.decay must lie in (0, 1], got {self.decay}")
+        check_ranges(self, where, length=">=1", decay="(0,1]")
+        self.noise.validate(f"{where}.noise")
 
 
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:

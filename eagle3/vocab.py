@@ -21,7 +21,13 @@ class DraftVocab:
 
     @property
     def target_ids(self) -> torch.Tensor:
-        return torch.arange(self.d2t.numel()) + self.d2t
+        return target_ids_of(self.d2t)
+
+
+def target_ids_of(d2t: torch.Tensor) -> torch.Tensor:
+    """The target id of every draft id, `arange(n) + d2t`, on d2t's device."""
+    d2t = torch.as_tensor(d2t).long()
+    return torch.arange(d2t.numel(), device=d2t.device) + d2t
 
 
 def count_tokens(input_ids: torch.Tensor, loss_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:

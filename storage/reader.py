@@ -6,7 +6,7 @@ tensors (their stored bit patterns reinterpreted, never rounded again).
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Iterable, Iterator, Sequence
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -64,38 +64,3 @@ class StoreReader:
             yield {"shard": row["shard"], "sample_ids": list(g.attrs["sample_ids"]),
                    **{k: g[k][...] for k in ("input_ids", "loss_mask", "offsets", "aux", "final")}}
 
-    def batch(self, sample_ids: Sequence[str], pad_id: int = 0) -> dict:
-        """The batch dict eagle3.training expects, right-padded."""
-        samples = [self.sample(s) for s in sample_ids]
-        return collate(samples, pad_id)
-
-    def batches(self, groups: Iterable[Sequence[str]], pad_id: int = 0) -> Iterator[dict]:
-        for group in groups:
-            yield self.batch(group, pad_id)
-
-
-def collate(samples: Sequence[dict], pad_id: int = 0) -> dict:
-    if not samples:
-        raise ValueError("no samples to collate")
-    t = max(len(s["input_ids"]) for s in samples)
-    b = len(samples)
-    aux_w, h = samples[0]["aux"].shape[1], samples[0]["final"].shape[1]
-    out = {"input_ids": torch.full((b, t), pad_id, dtype=torch.long),
-           "loss_mask": torch.zeros(b, t, dtype=torch.long),
-           "attention_mask": torch.zeros(b, t, dtype=torch.bool),
-           "aux": torch.zeros(b, t, aux_w, dtype=torch.bfloat16),
-           "final": torch.zeros(b, t, h, dtype=torch.bfloat16)}
-    for i, s in enumerate(samples):
-        n = len(s["input_ids"])
-        out["input_ids"][i, :n] = s["input_ids"]
-        out["loss_mask"][i, :n] = s["loss_mask"]
-        out["attention_mask"][i, :n] = True
-        out["aux"][i, :n] = s["aux"]
-        out["final"][i, :n] = s["final"]
-    return out
-
-
-def batches(url: str, groups: Iterable[Sequence[str]], pad_id: int = 0, storage_options: dict | None = None,
-            expect: dict | None = None) -> Iterator[dict]:
-    """Training batches for groups of sample ids, read from the store at `url`."""
-    yield from StoreReader(url, storage_options, expect=expect).batches(groups, pad_id)

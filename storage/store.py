@@ -20,21 +20,21 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from eagle3.schema import ConfigError
 from storage.zarr_io import (DEFAULT_CHUNK_BYTES, chunk_rows, filesystem, join, parquet_bytes, write_bytes_atomic,
                              zarr_store)
 
 FORMAT = "eagle3-hidden-states"
-FORMAT_VERSION = 1
+# 2: provenance names the target's weights by `target_weights_sha256` (was `target_revision`).
+FORMAT_VERSION = 2
 MANIFEST = "manifest.parquet"
-# Provenance fields a store and a config must agree on (the rest is recorded only).
-CHECKED_FIELDS = ("format_version", "target_path", "target_revision", "num_layers", "hidden_size",
-                  "capture_layer_ids", "layer_id_convention", "state_dtype", "final_is_normed",
-                  "tokenizer_sha256", "chat_template_sha256", "backend", "plan")
 
 
 class StoreError(RuntimeError):
     """The store is missing, corrupt or inconsistent (names the shard / sample / field)."""
+
+
+class ProvenanceMismatch(StoreError):
+    """The store was captured under other settings than the caller's (names the field)."""
 
 
 def sample_ids_hash(ids: Sequence[str]) -> str:
@@ -42,12 +42,13 @@ def sample_ids_hash(ids: Sequence[str]) -> str:
 
 
 def check_provenance(stored: dict, expected: dict, where: str) -> None:
-    """Refuse a store whose provenance contradicts `expected`, naming the field."""
-    for name in CHECKED_FIELDS:
-        if name in expected and stored.get(name) != expected[name]:
-            raise ConfigError(
+    """Refuse a store whose provenance contradicts any field of `expected`, naming the field.
+    Which fields matter is the caller's contract; the format version always does."""
+    for name, value in {"format_version": FORMAT_VERSION, **expected}.items():
+        if stored.get(name) != value:
+            raise ProvenanceMismatch(
                 f"{where}: provenance field '{name}' is {stored.get(name)!r} in the store but the config "
-                f"asks for {expected[name]!r}; use another capture.store / run_dir or fix the config"
+                f"asks for {value!r}; use another capture.store / run_dir or fix the config"
             )
 
 
@@ -91,7 +92,7 @@ def _compressors(compression: str):
 
         level = int(compression.split(":", 1)[1]) if ":" in compression else 1
         return [ZstdCodec(level=level)]
-    raise ConfigError(f"capture.compression={compression!r}: use 'none' or 'zstd[:level]'")
+    raise StoreError(f"compression={compression!r}: use 'none' or 'zstd[:level]'")
 
 
 class HiddenStateStore:
@@ -107,15 +108,20 @@ class HiddenStateStore:
         return self.fs.exists(f"{self.path}/zarr.json")
 
     @classmethod
-    def create_or_open(cls, url: str, provenance: dict, storage_options: dict | None = None) -> "HiddenStateStore":
+    def create_or_open(cls, url: str, provenance: dict, storage_options: dict | None = None,
+                       checked: Sequence[str] | None = None) -> "HiddenStateStore":
+        """Create the store with `provenance`, or open it when its `checked` fields (all of
+        them by default) agree with `provenance`."""
         store = cls(url, storage_options)
         if store.exists():
-            check_provenance(store.provenance, provenance, f"store {store.url}")
+            keys = provenance.keys() if checked is None else checked
+            check_provenance(store.provenance, {k: provenance.get(k) for k in keys}, f"store {store.url}")
             return store
         import zarr
 
         root = zarr.open_group(zarr_store(store.url, store.storage_options), mode="w-",
-                               attributes={"format": FORMAT, "provenance": provenance})
+                               attributes={"format": FORMAT,
+                                           "provenance": {**provenance, "format_version": FORMAT_VERSION}})
         root.create_group("shards")
         return store
 

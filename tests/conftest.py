@@ -18,7 +18,7 @@ def tiny_target(tmp_path_factory):
 
     from eagle3.schema import from_dict
     from eagle3.target_spec import TargetSpec
-    from workflows.target import prepare_target
+    from workflows.core.targets import prepare_target
 
     conf = Path(__file__).resolve().parents[1] / "conf" / "target" / "tiny.yaml"
     spec = from_dict(TargetSpec, yaml.safe_load(conf.read_text()), "target")

@@ -44,3 +44,12 @@ def tiny_hf_llama(num_layers=6, hidden=24, vocab=97, seed=0, dtype=torch.float64
     model = LlamaForCausalLM(cfg).to(dtype).eval()
     model.requires_grad_(False)
     return model
+
+
+def corpus_rows(run_dir) -> list[dict]:
+    """The committed corpus of a run folder (its generate stage), as later stages read it."""
+    from pathlib import Path
+
+    from workflows.core.layout import RunLayout
+
+    return RunLayout(Path(run_dir), str(Path(run_dir) / "store")).read_corpus()

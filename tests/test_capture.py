@@ -7,25 +7,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from eagle3.schema import ConfigError
 from eagle3.target_features import capture_states
 from storage.reader import StoreReader
+from storage.store import ProvenanceMismatch
 from storage.verify import verify
-from workflows import capture, generate
-from workflows.config import load_config
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
+from tests.helpers import corpus_rows
+from workflows.capture import stage as capture
+from workflows.core.config import compose
+from workflows.core.errors import InputError
+from workflows.generate import stage as generate
 
 
 def cfg_for(tiny_target, run_dir, *extra):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return load_config(compose("full", overrides=[
-            "target=tiny", "mixture=bundled", f"cache_dir={tiny_target.parent.parent}", f"run_dir={run_dir}",
-            "data.limit=12", "data.max_new_tokens=16", "data.heldout_fraction=0.25",
-            "capture.shard_samples=3", "capture.shards_per_call=2", "capture.micro_batch_tokens=256",
-            "capture.ray_dashboard=false", "capture.ray_num_cpus=2", *extra]))
+    return compose([
+        "target=tiny", "mixture=bundled", f"cache_dir={tiny_target.parent.parent}", f"run_dir={run_dir}",
+        "data.limit=12", "data.max_new_tokens=16", "data.heldout_fraction=0.25",
+        "capture.shard_samples=3", "capture.shards_per_call=2", "capture.micro_batch_tokens=256",
+        "cluster.dashboard=false", "cluster.num_cpus=2", *extra])
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def run_dir_with_corpus(corpus, tmp_path) -> Path:
 
 def test_capture_is_bit_exact_and_resumes_after_a_crash(tiny_target, corpus, tmp_path, ray_local):
     run_dir = run_dir_with_corpus(corpus, tmp_path)
-    samples = generate.read_samples(run_dir)
+    samples = corpus_rows(run_dir)
     # The actor dies before its 4th shard: 3 shards are written, the run fails.
     with pytest.raises(Exception, match="simulated crash"):
         capture.run(cfg_for(tiny_target, run_dir, "capture.fail_after_shards=3"), tiny_target)
@@ -80,7 +80,7 @@ def test_capture_is_bit_exact_and_resumes_after_a_crash(tiny_target, corpus, tmp
     assert prov["final_is_normed"] is True and prov["backend"] == "hf" and prov["tokenizer_sha256"]
 
     # Bit-exact against a direct single-sample HF capture, rounded to bf16 the same way.
-    from workflows.target import load_target
+    from workflows.core.targets import load_target
 
     model, _ = load_target(tiny_target, dtype="float32")
     for row in samples[:3]:
@@ -98,23 +98,25 @@ def test_capture_is_bit_exact_and_resumes_after_a_crash(tiny_target, corpus, tmp
 def test_store_refuses_a_contradicting_config(tiny_target, corpus, tmp_path, ray_local):
     run_dir = run_dir_with_corpus(corpus, tmp_path)
     capture.run(cfg_for(tiny_target, run_dir), tiny_target)
-    with pytest.raises(ConfigError, match="'capture_layer_ids'"):
+    with pytest.raises(ProvenanceMismatch, match="'capture_layer_ids'"):
         capture.run(cfg_for(tiny_target, run_dir, "target.capture_layer_ids=[1,2,4]"), tiny_target)
-    with pytest.raises(ConfigError, match="'plan'"):
+    with pytest.raises(ProvenanceMismatch, match="'plan'"):
         capture.run(cfg_for(tiny_target, run_dir, "capture.shard_samples=5"), tiny_target)
 
 
 def test_train_reads_the_same_batches_from_the_store(tiny_target, corpus, tmp_path, ray_local):
     from eagle3.target_features import capture_batch
-    from workflows.target import load_target
-    from workflows.train import make_batches
-    from workflows.train_data import store_batches
+    from workflows.core.provenance import identity_for
+    from workflows.core.targets import load_target
+    from workflows.train.stage import make_batches
+    from workflows.train.store_data import store_batches
 
     run_dir = run_dir_with_corpus(corpus, tmp_path)
     cfg = cfg_for(tiny_target, run_dir)
     capture.run(cfg, tiny_target)
-    groups = make_batches(generate.read_samples(run_dir), 4, seed=0)
-    [batches] = store_batches(cfg, tiny_target, [groups], pad_id=0)
+    groups = make_batches(corpus_rows(run_dir), 4, seed=0)
+    identity = identity_for(cfg, tiny_target)
+    [batches] = store_batches(cfg, identity, [groups], pad_id=0)
     model, _ = load_target(tiny_target, dtype="float32")
     for group, got in zip(groups, batches):
         want = capture_batch(model, [r["input_ids"] for r in group], [r["loss_mask"] for r in group], [0, 2, 4])
@@ -124,8 +126,13 @@ def test_train_reads_the_same_batches_from_the_store(tiny_target, corpus, tmp_pa
         m = want["attention_mask"]
         torch.testing.assert_close(got["aux"][m].float(), want["aux"][m].to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2)
         torch.testing.assert_close(got["final"][m].float(), want["final"][m].to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2)
-    with pytest.raises(ConfigError, match="'hidden_size'"):
-        store_batches(cfg_for(tiny_target, run_dir, "target.hidden_size=96"), tiny_target, [groups], 0)
+    with pytest.raises(ProvenanceMismatch, match="'hidden_size'"):
+        store_batches(cfg_for(tiny_target, run_dir, "target.hidden_size=96"), identity, [groups], 0)
+    # The train side checks as much as capture does: the engine's dtype, backend, weights.
+    with pytest.raises(ProvenanceMismatch, match="'engine_dtype'"):
+        store_batches(cfg_for(tiny_target, run_dir, "capture.dtype=bfloat16"), identity, [groups], 0)
+    with pytest.raises(ProvenanceMismatch, match="'target_weights_sha256'"):
+        store_batches(cfg, {**identity, "weights_sha256": "other"}, [groups], 0)
 
 
 def test_bad_inputs_are_refused_or_counted(tiny_target, tmp_path):
@@ -135,13 +142,12 @@ def test_bad_inputs_are_refused_or_counted(tiny_target, tmp_path):
         [{"id": "a", "input_ids": [1, 2], "loss_mask": [0, 1]}, {"id": "e", "input_ids": [], "loss_mask": []},
          {"id": "b", "input_ids": [3], "loss_mask": [1]}], shard_samples=4)
     assert skipped == {"empty_sample": 1} and plans[0].sample_ids == ["a", "b"]
-    with pytest.raises(ValueError, match="row 0 \\(id 'x'\\): field input_ids has 2 tokens but loss_mask 1"):
+    with pytest.raises(InputError, match="row 0 \\(id 'x'\\): field input_ids has 2 tokens but loss_mask 1"):
         capture.plan_shards([{"id": "x", "input_ids": [1, 2], "loss_mask": [1]}], shard_samples=4)
 
 
 def test_estimate_and_space_refusal(tiny_target, tmp_path, capsys):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        kimi = load_config(compose("full", overrides=["target=kimi_k25_int4"]))
+    kimi = compose(["target=kimi_k25_int4"])
     est = capture.estimate(kimi, 88_000_000)
     assert est["bytes_per_token"] == 2 * 4 * 7168 + 5 == 57349
     assert est["projected_bytes"] == 57349 * 88_000_000  # ~5.05 TB (4.59 TiB)
@@ -156,12 +162,12 @@ def test_estimate_and_space_refusal(tiny_target, tmp_path, capsys):
 def test_sglang_and_hf_engines_give_the_same_states(tiny_target):
     """Parity on CPU in fp32: SGLang (aux pass + full pass, in a subprocess) vs HF hooks."""
     pytest.importorskip("sglang")
-    from workflows.capture_engine import HFEngine
-    from workflows.sglang_capture import SGLangEngine
+    from workflows.core.engines import EngineSpec, make_engine
 
     seqs = [[1, 5, 9, 33, 2, 7, 100, 4, 8, 8], [3, 4, 5, 6, 7]]
-    sgl = SGLangEngine(str(tiny_target), [0, 2, 4], dtype="float32").states(seqs)
-    hf = HFEngine(str(tiny_target), [0, 2, 4], dtype="float32").states(seqs)
+    spec = EngineSpec(str(tiny_target), dtype="float32", layer_ids=[0, 2, 4])
+    sgl = make_engine("sglang", spec).states(seqs)
+    hf = make_engine("hf", spec).states(seqs)
     for (sa, sf), (ha, hf_) in zip(sgl, hf):
         assert sa.shape == ha.shape == (sa.shape[0], 3 * 64) and sf.shape == hf_.shape
         torch.testing.assert_close(sa, ha.float(), atol=1e-4, rtol=1e-4)

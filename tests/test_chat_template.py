@@ -77,7 +77,7 @@ def test_real_smollm2_template():
     """SmolLM2-135M-Instruct's own tokenizer and template (the embedded default target)."""
     import importlib.util
 
-    from workflows.target import SMOLLM2_GGUF, SMOLLM2_PACKAGE
+    from workflows.core.target_builders import SMOLLM2_GGUF, SMOLLM2_PACKAGE
 
     cache = Path(os.environ.get("EAGLE3_CACHE", Path(__file__).resolve().parents[1] / ".cache"))
     folder = cache / "targets" / "smollm2_135m"

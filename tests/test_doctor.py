@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from eagle3.schema import ConfigError
-from workflows import doctor
-from workflows.doctor import Side, check, side_from_engine_capture, side_from_provenance
+from workflows.core import wiring as doctor
+from workflows.core.wiring import Side, check, side_from_engine_capture, side_from_provenance
 
 
 def draft_side(**facts):

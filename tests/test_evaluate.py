@@ -67,6 +67,17 @@ def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target)
     assert "parity ratio" in (tmp_path / "run" / "report" / "report.md").read_text()
     assert (tmp_path / "run" / "export" / "sglang" / "config.json").exists()
     assert (tmp_path / "run" / "export" / "DONE.json").exists()
+    # The export was made from this run's draft: the report scores the weights as served.
+    assert report["draft"] == str(tmp_path / "run" / "export" / "sglang" / "model.safetensors")
+
+    # Retrain without exporting again: the old export belongs to another draft, so the
+    # report scores the new trained draft, never the stale export.
+    retrained = tiny_cfg(tiny_target, tmp_path / "run", "train.steps=30", "evaluate.max_prompts=4",
+                         "evaluate.max_new_tokens=20", "evaluate.num_steps=3", "train.acceptance_k=3",
+                         "stages=[train,evaluate]")
+    full.run(retrained)
+    report = json.loads((tmp_path / "run" / "report" / "report.json").read_text())
+    assert report["draft"] == str(tmp_path / "run" / "train" / "draft" / "draft.safetensors")
 
 
 def test_markdown_lists_served_benchmark():

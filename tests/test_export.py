@@ -11,15 +11,15 @@ from safetensors.torch import load_file
 
 from eagle3.draft_config import DraftConfig
 from tests.helpers import random_draft
-from workflows import doctor
-from workflows.checkpoint import save_draft
+from workflows.core import wiring as doctor
+from workflows.core.draft_files import save_draft
 from workflows.export import export_sglang, export_vllm, speculators_available
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_draft_dir(folder: Path, target_path: Path, hidden=64, ids=(0, 2, 4)) -> Path:
-    from workflows.target import target_provenance
+    from workflows.core.provenance import target_identity
 
     cfg = DraftConfig(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       intermediate_size=128, vocab_size=1024, draft_vocab_size=256, target_hidden_size=64,
@@ -29,7 +29,7 @@ def make_draft_dir(folder: Path, target_path: Path, hidden=64, ids=(0, 2, 4)) ->
     t2d = torch.zeros(1024, dtype=torch.bool)
     t2d[chosen] = True
     draft.set_vocab_mapping(chosen - torch.arange(256), t2d)
-    prov = {"target": target_provenance(target_path), "capture_layer_ids": list(ids),
+    prov = {"target": target_identity(target_path, folder.parent / "cache"), "capture_layer_ids": list(ids),
             "layer_id_convention": "output_of_layer", "hidden_size": 64}
     save_draft(folder, draft, prov)
     return folder
@@ -65,9 +65,10 @@ def test_doctor_catches_an_export_from_another_draft(tmp_path, tiny_target):
 def test_sglang_loads_the_export_with_its_own_class(tmp_path, tiny_target):
     """SGLang's LlamaForCausalLMEagle3 built on CPU; every parameter checked after load_weights."""
     out = export_sglang(make_draft_dir(tmp_path / "draft", tiny_target, hidden=32), tmp_path / "sglang", "float32")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "workflows" / "sglang_cpu_shim")]),
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "workflows.sglang_load_check", str(out)], env=env, cwd=ROOT,
+    from workflows.core.sglang import with_shim
+
+    env = {**with_shim(dict(os.environ)), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "workflows.tools.sglang_load_check", str(out)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("SGLANG_LOAD_CHECK ")), None)
     assert line is not None, proc.stderr[-3000:]

@@ -11,32 +11,31 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-
 from eagle3.chat_template import generation_prompt_ids
-from workflows import generate
-from workflows.config import load_config
-from workflows.ingest import split_of
-from workflows.regenerate import HFEngine, Settings, regenerate_conversations
+from tests.helpers import corpus_rows
+from workflows.core.config import compose
+from workflows.core.engines import EngineSpec, HFEngine
+from workflows.generate import stage as generate
+from workflows.generate.ingest import split_of
+from workflows.generate.regenerate import Settings, regenerate_conversations
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIM = ROOT / "workflows" / "sglang_cpu_shim"
 
 
 def tiny_cfg(tiny_target, run_dir, *extra):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return load_config(compose("full", overrides=[
-            "target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={run_dir}",
-            "data.max_new_tokens=8", "data.shard_size=4", "data.batch_size=4", *extra]))
+    return compose(["target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={run_dir}",
+                    "data.max_new_tokens=8", "data.shard_size=4", "data.batch_size=4", *extra])
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_target):
-    return HFEngine(str(tiny_target), Settings(max_new_tokens=8, threads=2))
+    return HFEngine(EngineSpec(str(tiny_target), threads=2))
 
 
 @pytest.mark.parametrize("is_neox", [True, False])
 def test_sglang_shim_rotary_matches_reference(is_neox):
+    from workflows.core.sglang import SHIM_DIR as SHIM
+
     sys.path.insert(0, str(SHIM))
     try:
         from vllm._custom_ops import rotary_embedding
@@ -74,7 +73,7 @@ def test_every_turn_is_regenerated_from_the_regenerated_history(engine):
     assert "ORIGINAL ANSWER" not in json.dumps(msgs)
     # Turn 2 is what greedy generation gives after the *regenerated* turn 1.
     prompt = generation_prompt_ids(tok, msgs[:4])
-    [(answer, _)] = engine.generate([prompt], s)
+    [(answer, _)] = engine.generate([prompt], s.max_new_tokens)
     assert msgs[4]["content"] == tok.decode(answer, skip_special_tokens=True)
     # The tokenized conversation starts with that prompt, the mask covers both answers only.
     ids, mask = two_turn["input_ids"], two_turn["loss_mask"]
@@ -121,8 +120,8 @@ def test_stage_regenerates_mixture_and_resumes_after_a_crash(tiny_target, tmp_pa
 
     out = generate.run(cfg, tiny_target, on_commit=commits.append)
     assert first.stat().st_mtime_ns == stamp and commits.count(commits[0]) == 1  # not regenerated
-    prompts = generate.ingest_mixture(cfg)[0]
-    samples = generate.read_samples(tmp_path)
+    prompts, ingest_counts = generate.ingest_mixture(cfg)
+    samples = corpus_rows(tmp_path)
     assert sorted(r["id"] for r in samples) == sorted(r["id"] for r in prompts)  # no duplicate, no loss
     assert len(samples) == 12 and {r["dataset"] for r in samples} == {"bundled", "chatterbot_english",
                                                                        "human_eval", "python_faq"}
@@ -134,14 +133,14 @@ def test_stage_regenerates_mixture_and_resumes_after_a_crash(tiny_target, tmp_pa
     assert sum(c["conversations"] for c in table.values()) == 12
     assert table["human_eval"]["answer_tokens"] == sum(sum(r["loss_mask"]) for r in samples
                                                         if r["dataset"] == "human_eval")
-    assert table["chatterbot_english"]["skipped_duplicate"] >= 0
+    assert table["chatterbot_english"].get("skipped_duplicate", 0) == ingest_counts["chatterbot_english"][
+        "skipped_duplicate"]
     text = (out / "accounting.txt").read_text()
     assert "TOTAL" in text and "python_faq" in text
     marker = json.loads((out / "DONE.json").read_text())
     assert marker["summary"]["conversations"] == 12 and marker["summary"]["shards"] == 3
     # Same config again: reused as is.
-    assert generate.run(cfg, tiny_target) == out and (out / "DONE.json").read_text() == json.dumps(marker, indent=2,
-                                                                                                   sort_keys=True)
+    assert generate.run(cfg, tiny_target) == out and json.loads((out / "DONE.json").read_text()) == marker
 
 
 def _wait_for(predicate, timeout, proc):
@@ -183,7 +182,7 @@ def test_sigkill_halfway_then_rerun(tiny_target, tmp_path):
     assert f"{len(before)} already committed" in log
     for name, data in before.items():
         assert (folder / name).read_bytes() == data
-    samples = generate.read_samples(tmp_path)
+    samples = corpus_rows(tmp_path)
     assert sorted(r["id"] for r in samples) == sorted(f"bundled:default-{i:03d}" for i in range(12))
 
 
@@ -200,8 +199,8 @@ def test_sglang_backend_on_cpu_matches_hf(tiny_target, tmp_path):
     proc = _run_generate(tiny_target, tmp_path / "hf", *extra)
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, log[-4000:]
-    by_sglang = {r["id"]: r for r in generate.read_samples(tmp_path / "sglang")}
-    by_hf = {r["id"]: r for r in generate.read_samples(tmp_path / "hf")}
+    by_sglang = {r["id"]: r for r in corpus_rows(tmp_path / "sglang")}
+    by_hf = {r["id"]: r for r in corpus_rows(tmp_path / "hf")}
     assert by_sglang.keys() == by_hf.keys() and len(by_hf) == 4
     same = sum(by_sglang[i]["input_ids"] == by_hf[i]["input_ids"] for i in by_hf)
     assert same >= 3, [(by_sglang[i]["answer"], by_hf[i]["answer"]) for i in by_hf]

@@ -3,13 +3,11 @@ import os
 import signal
 import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from workflows.serve import ServeArgsError, launch_command, resolve_spec_args
+from workflows.tools.serve import ServeArgsError, launch_command, resolve_spec_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,7 +63,7 @@ def _free_port():
 
 @pytest.mark.slow
 def test_benchmark_against_a_cpu_sglang_server(tiny_target):
-    from workflows.benchmark import run_benchmark, wait_healthy
+    from workflows.tools.benchmark import run_benchmark, wait_healthy
 
     port = _free_port()
     e = resolve_spec_args(3, 1, 4, "LlamaForCausalLM")

@@ -89,13 +89,13 @@ def test_perfect_and_useless_drafts(target, steps, topk, ndt):
         assert res.target_forwards == -(-29 // (depth + 1))
         # Slot i counts as accepted while the pass still had more than i tokens to produce.
         left = [29 - (depth + 1) * j for j in range(res.target_forwards)]
-        assert res.accepted[:depth] == [sum(min(depth, r) > i for r in left) for i in range(depth)]
+        assert res.slots.accepted[:depth] == [sum(min(depth, r) > i for r in left) for i in range(depth)]
         assert res.acceptance_length == 29 / res.target_forwards
         useless = SpeculativeDecoder(target, OracleDrafter(full, False), LAYERS, steps, topk, ndt)
         res = useless.generate(p, 30)
         assert res.tokens == ref
         assert res.acceptance_length == 1.0 and res.target_forwards == 29
-        assert res.accepted == [0] * steps and res.reached[0] == 29
+        assert res.slots.accepted == [0] * steps and res.slots.reached[0] == 29
 
 
 def test_stops_at_eos(target):

@@ -1,16 +1,14 @@
 """The Zarr hidden-state store: round trip, commit protocol, provenance, verify, s3."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from eagle3.schema import ConfigError
-from storage.reader import StoreReader, batches
-from storage.store import HiddenStateStore, ShardData, StoreError
+from eagle3.target_features import collate_samples
+from storage.reader import StoreReader
+from storage.store import HiddenStateStore, ProvenanceMismatch, ShardData, StoreError
 from storage.verify import verify
 from storage.zarr_io import to_bf16_bits
 
@@ -18,7 +16,7 @@ H, IDS = 8, [0, 2, 4]
 
 
 def provenance(**over):
-    prov = {"format_version": 1, "target_path": "/t", "target_revision": "abc", "num_layers": 6,
+    prov = {"target_path": "/t", "target_weights_sha256": "abc", "num_layers": 6,
             "hidden_size": H, "capture_layer_ids": IDS, "layer_id_convention": "output_of_layer",
             "state_dtype": "bfloat16", "final_is_normed": True, "tokenizer_sha256": "tok",
             "chat_template_sha256": "tpl", "backend": "hf", "plan": {"shard_samples": 3},
@@ -53,7 +51,7 @@ def test_round_trip_by_sample_and_shard(tmp_path):
     assert b["input_ids"].tolist() == [5, 6, 7]
     shards = list(reader.iter_shards())
     assert [s["shard"] for s in shards] == ["000000", "000001"] and shards[1]["offsets"].tolist() == [0, 4, 6]
-    batch = next(batches(str(tmp_path / "s"), [["e", "a"]]))
+    batch = collate_samples([reader.sample(s) for s in ["e", "a"]])
     assert batch["aux"].shape == (2, 5, len(IDS) * H) and batch["aux"].dtype == torch.bfloat16
     assert batch["attention_mask"].sum(1).tolist() == [2, 5]
     assert torch.equal(batch["aux"][0, :2], aux2[4:6].to(torch.bfloat16))
@@ -77,11 +75,11 @@ def test_uncommitted_and_half_written_shards_are_invisible(tmp_path):
 
 def test_provenance_contradiction_is_refused_by_field(tmp_path):
     HiddenStateStore.create_or_open(str(tmp_path / "s"), provenance())
-    with pytest.raises(ConfigError, match="'capture_layer_ids'"):
+    with pytest.raises(ProvenanceMismatch, match="'capture_layer_ids'"):
         HiddenStateStore.create_or_open(str(tmp_path / "s"), provenance(capture_layer_ids=[1, 2, 4]))
-    with pytest.raises(ConfigError, match="'tokenizer_sha256'"):
+    with pytest.raises(ProvenanceMismatch, match="'tokenizer_sha256'"):
         StoreReader(str(tmp_path / "s"), expect={"tokenizer_sha256": "other"})
-    with pytest.raises(ConfigError, match="'hidden_size'"):
+    with pytest.raises(ProvenanceMismatch, match="'hidden_size'"):
         HiddenStateStore.open(str(tmp_path / "s"), expect={"hidden_size": 16})
 
 
@@ -122,7 +120,7 @@ def test_compressed_store_round_trip(tmp_path):
     data, aux, _ = make_shard(["a", "b"], [30, 20])
     store.commit([store.write_shard("000000", data, compression="zstd:1")])
     assert torch.equal(StoreReader(str(tmp_path / "s")).sample("b")["aux"], aux[30:].to(torch.bfloat16))
-    with pytest.raises(ConfigError, match="capture.compression"):
+    with pytest.raises(StoreError, match="compression"):
         store.write_shard("000001", data, compression="lz9")
 
 
@@ -148,7 +146,7 @@ def test_s3_store_on_local_moto_server():
         assert torch.equal(reader.sample("b")["aux"], aux[4:].to(torch.bfloat16))
         assert torch.equal(reader.sample("a")["final"], final[:4].to(torch.bfloat16))
         assert verify(url, storage_options=opts)["ok"]
-        with pytest.raises(ConfigError, match="'backend'"):
+        with pytest.raises(ProvenanceMismatch, match="'backend'"):
             HiddenStateStore.create_or_open(url, provenance(backend="sglang"), storage_options=opts)
     finally:
         server.stop()

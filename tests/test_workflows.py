@@ -6,19 +6,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
 from safetensors.torch import load_file
 
 from eagle3.schema import ConfigError
-from workflows import full, train as train_stage
-from workflows.config import load_config
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
+from workflows import full
+from workflows.core.config import compose
+from workflows.train import stage as train_stage
 
 
 def compose_cfg(*overrides):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return load_config(compose("full", overrides=list(overrides)))
+    return compose(overrides)
 
 
 def tiny_cfg(tiny_target, run_dir, *extra):
@@ -39,7 +37,7 @@ def test_default_config_composes():
 
 
 def test_auto_draft_vocab_size():
-    from workflows.config import auto_draft_vocab_size
+    from workflows.core.config import auto_draft_vocab_size
 
     assert auto_draft_vocab_size(163840, 90_000) == 32000  # real corpora: the usual size
     assert auto_draft_vocab_size(49152, 1106) == 4096  # small corpus: 2x distinct, power of two
@@ -49,14 +47,32 @@ def test_auto_draft_vocab_size():
 
 @pytest.mark.parametrize("override, message", [
     ("target.capture_layer_ids=[1,2,6]", r"target.capture_layer_ids\[2\]=6 is out of range for a 6-layer target"),
-    ("+train.ttt.lenght=3", r"train.ttt: unknown key\(s\) \['lenght'\]"),
+    ("+train.ttt.lenght=3", r"train.ttt: unknown key\(s\) \['lenght'\]"),  # `+` forces it past Hydra
     ("train.acceptance_k=9", "train.acceptance_k=9 exceeds train.ttt.length=7"),
     ("stages=[train,serve]", r"unknown stage\(s\) \['serve'\]"),
-    ("train.ttt.decay=1.5", r"train.ttt.decay must lie in \(0, 1\]"),
+    ("train.ttt.decay=1.5", r"train.ttt.decay=1.5 is out of range: it must be in \(0,1\]"),
     ("target.num_layers=0", "target.num_layers must be positive"),
+    ("train.log_every=0", "train.log_every=0 is out of range: it must be >= 1"),
+    ("train.optim.grad_clip=0", "train.optim.grad_clip=0.0 is out of range: it must be > 0"),
+    ("data.heldout_fraction=1", r"data.heldout_fraction=1.0 is out of range: it must be in \[0,1\)"),
+    ("capture.actors=0", "capture.actors=0 is out of range"),
+    ("cluster.dashboard_port=70000", "cluster.dashboard_port=70000 is out of range"),
+    ("evaluate.length_buckets=[64,32]", "evaluate.length_buckets=.* must be a non-empty ascending list"),
+    ("data.backend=vllm", r"data.backend='vllm' is not one of \['hf', 'sglang'\]"),
+    ("draft.draft_vocab_size=2048", "draft.draft_vocab_size=2048 exceeds the target's vocab_size=1024"),
 ])
 def test_bad_config_is_refused_naming_the_field(override, message):
     with pytest.raises(ConfigError, match=message):
+        compose_cfg("target=tiny", override)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.ttt.lenght=3", "train.ttt.lenght"),  # a typo: Hydra refuses keys the schema lacks
+    ("train.ttt_length=3", "train.ttt_length"),
+    ("train.steps=many", "train.steps"),  # a wrong type, refused while composing
+])
+def test_hydra_refuses_unknown_keys_and_wrong_types(override, message):
+    with pytest.raises(ConfigCompositionException, match=message):
         compose_cfg("target=tiny", override)
 
 
@@ -68,10 +84,23 @@ def test_hidden_size_mismatch_is_refused(tiny_target, tmp_path):
     assert not (tmp_path / "generate").exists()
 
 
+SECRETS = ("+target.env.HF_TOKEN=hf_SECRET_TOKEN_1", "+capture.storage_options.password=SECRET_PASSWORD_2")
+
+
+def assert_no_secret_in(folder: Path) -> None:
+    """No file the run wrote (provenance, store, markers, logs, W&B) holds a secret value."""
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    assert files
+    for file in files:
+        data = file.read_bytes()
+        assert b"SECRET_TOKEN_1" not in data and b"SECRET_PASSWORD_2" not in data, file
+
+
 @pytest.mark.slow
 def test_pipeline_runs_reuses_and_resumes_exactly(tiny_target, tmp_path, monkeypatch):
-    cfg = tiny_cfg(tiny_target, tmp_path / "a")
+    cfg = tiny_cfg(tiny_target, tmp_path / "a", *SECRETS)
     out = full.run(cfg)
+    assert_no_secret_in(tmp_path / "a")
     metrics = json.loads((out["train"] / "metrics.json").read_text())
     assert metrics["k"] == 4 and len(metrics["step_acc"]) == 7
     assert metrics["acceptance_walk"] >= 1.0
@@ -82,7 +111,9 @@ def test_pipeline_runs_reuses_and_resumes_exactly(tiny_target, tmp_path, monkeyp
     assert "embed_tokens.weight" not in weights  # the target's, not copied
     prov = json.loads((draft_dir / "provenance.json").read_text())
     assert prov["capture_layer_ids"] == [0, 2, 4] and prov["layer_id_convention"] == "output_of_layer"
-    assert prov["target"]["chat_template_sha256"]
+    assert prov["target"]["chat_template_sha256"] and prov["target"]["weights_sha256"]
+    assert prov["final_is_normed"] is True  # the same field name as the store's
+    assert prov["config"]["target"]["env"] == {"HF_TOKEN": "<redacted>"}
 
     # A rerun reuses every stage.
     logs = []
@@ -111,6 +142,12 @@ def test_pipeline_runs_reuses_and_resumes_exactly(tiny_target, tmp_path, monkeyp
     logs.clear()
     out_b = full.run(cfg_b)
     assert any("resuming from step 4" in m for m in logs)
+    # metrics.jsonl holds each step once, with the uninterrupted run's very figures.
+    records = [[{k: v for k, v in json.loads(line).items() if k != "elapsed_s"}
+                for line in (folder / "train" / "metrics.jsonl").read_text().splitlines()]
+               for folder in (tmp_path / "a", tmp_path / "b")]
+    assert [r["step"] for r in records[0]] == [0, 3, 7, 11]
+    assert records[1] == records[0]
     resumed = load_file(str(out_b["train"] / "draft" / "draft.safetensors"))
     for name, tensor in weights.items():
         assert torch.equal(tensor, resumed[name]), name
@@ -122,7 +159,7 @@ def test_tiny_draft_learns_within_a_minute(tiny_target, tmp_path):
     cfg = compose_cfg(
         "target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={tmp_path}", "mixture=bundled",
         "data.max_new_tokens=64", "train.steps=150", "train.optim.lr=3e-3", "train.compute_dtype=float32",
-        "train.ttt.noise.std=0.01", "train.log_every=50", "tracking.wandb=true", "tracking.mode=offline",
+        "train.ttt.noise.std=0.01", "train.log_every=50", "tracking.wandb=true", "tracking.mode=offline", *SECRETS,
     )
     out = full.run(cfg)
     metrics = json.loads((out["train"] / "metrics.json").read_text())
@@ -135,3 +172,4 @@ def test_tiny_draft_learns_within_a_minute(tiny_target, tmp_path):
     assert len(runs) == 1, runs
     log_bytes = runs[0].read_bytes()
     assert b"eval/acceptance_walk" in log_bytes and b"train/loss" in log_bytes
+    assert_no_secret_in(tmp_path)  # W&B's config and logs included

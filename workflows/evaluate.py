@@ -14,6 +14,9 @@ the target and draft run in `evaluate.dtype` on both sides, so a gap means the d
 behaves differently when decoding (or that the target's own greedy text differs from
 the stored one: `text_agreement` says how often).
 
+The draft scored is the one the train stage of this run produced: its export (the weights
+as served, in the serving dtype) when the export was made from it, else its own weights.
+
     python -m workflows.evaluate target=tiny run_dir=runs/tiny
 """
 from __future__ import annotations
@@ -23,23 +26,28 @@ from pathlib import Path
 
 import torch
 
-from eagle3.metrics import Acceptance, acceptance, assistant_spans
+from eagle3.metrics import Acceptance, SlotCounts, acceptance, assistant_spans
 from eagle3.modeling import Eagle3Draft
+from eagle3.schema import to_dict
 from eagle3.spec_decode import Eagle3Drafter, SpeculativeDecoder, greedy_decode
 from eagle3.target_head import TargetHead
 from eagle3.training import forward_batch
 from eagle3.ttt import TTTConfig
-from workflows.common import atomic_dir, log, mark_done, read_json, stage_is_done, stage_main, write_json_atomic
-from workflows.config import FullConfig
+from workflows.core.cli import log, stage_main
+from workflows.core.config import FullConfig
+from workflows.core.draft_files import load_draft_config, load_draft_weights
+from workflows.core.engines import EngineSpec, HFEngine
+from workflows.core.errors import InputError
+from workflows.core.layout import RunLayout
+from workflows.core.markers import atomic_dir, mark_done, read_json, read_marker, stage_is_done, write_json_atomic
+from workflows.core.provenance import identity_for
 
 
-def heldout_rows(run_dir: Path, limit: int, max_new_tokens: int) -> list[dict]:
+def heldout_rows(layout: RunLayout, limit: int, max_new_tokens: int) -> list[dict]:
     """Held-out conversations cut to their first answer's first `max_new_tokens` tokens."""
-    from workflows.generate import read_samples
-
-    rows = sorted((r for r in read_samples(run_dir) if r["split"] == "heldout"), key=lambda r: r["id"])
+    rows = sorted((r for r in layout.read_corpus() if r["split"] == "heldout"), key=lambda r: r["id"])
     if not rows:
-        raise ValueError(f"{run_dir}/generate/samples.parquet has no held-out samples (raise data.heldout_fraction)")
+        raise InputError(f"{layout.corpus_shards}: the corpus has no held-out sample (raise data.heldout_fraction)")
     out = []
     for r in rows:
         spans = assistant_spans(torch.tensor(r["loss_mask"]))
@@ -50,15 +58,6 @@ def heldout_rows(run_dir: Path, limit: int, max_new_tokens: int) -> list[dict]:
         if len(out) == limit:
             break
     return out
-
-
-def heldout_batches(model, rows: list[dict], layer_ids: list[int], pad_id: int, batch_size: int = 4):
-    """Held-out training batches by online capture (as the train stage does).
-    TODO(store): read them from the hidden-state store once it lands (same dict layout)."""
-    from workflows.train import capture_all
-
-    groups = [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
-    return groups, capture_all(model, groups, layer_ids, pad_id, "capture held-out")
 
 
 @torch.no_grad()
@@ -79,7 +78,7 @@ def offline_acceptance(draft, head, groups, batches, k: int) -> tuple[Acceptance
 def decode_all(model, draft, rows, capture_ids, num_steps, topk, num_draft_tokens, eos) -> dict:
     decoder = SpeculativeDecoder(model, Eagle3Drafter(draft), capture_ids, num_steps, topk, num_draft_tokens, eos)
     gained = forwards = 0
-    reached, accepted = [0] * num_steps, [0] * num_steps
+    slots = SlotCounts.zeros(num_steps)
     spec_s = plain_s = 0.0
     lossless, agree, total, per_row = True, 0, 0, []
     try:
@@ -92,8 +91,7 @@ def decode_all(model, draft, rows, capture_ids, num_steps, topk, num_draft_token
             agree += sum(a == b for a, b in zip(plain, answer))
             total += len(answer)
             gained, forwards = gained + res.gained, forwards + res.target_forwards
-            reached = [a + b for a, b in zip(reached, res.reached)]
-            accepted = [a + b for a, b in zip(accepted, res.accepted)]
+            slots = slots.merge(res.slots)
             spec_s, plain_s = spec_s + res.seconds, plain_s + t_plain
             per_row.append({"id": r["id"], "prompt_tokens": s, "acceptance": res.acceptance_length,
                             "gained": res.gained, "passes": res.target_forwards, "tokens": len(res.tokens)})
@@ -102,7 +100,7 @@ def decode_all(model, draft, rows, capture_ids, num_steps, topk, num_draft_token
     tokens = sum(p["tokens"] for p in per_row)
     return {
         "acceptance": gained / forwards if forwards else float("nan"), "target_forwards": forwards,
-        "per_position_acceptance": [a / b if b else float("nan") for a, b in zip(accepted, reached)],
+        "per_position_acceptance": slots.rate,
         "lossless": bool(lossless), "text_agreement": agree / total if total else float("nan"),
         "tokens_per_s_spec": tokens / spec_s, "tokens_per_s_plain": tokens / plain_s,
         "speedup": plain_s / spec_s, "per_row": per_row,
@@ -120,25 +118,20 @@ def by_bucket(prompt_lengths: list[int], values: list[tuple[int, int]], edges: l
     return {n: (t / p if p else None) for n, (t, p) in sums.items() if p}
 
 
-def load_draft_for_eval(run_dir: Path, model, dtype: torch.dtype) -> tuple[Eagle3Draft, str]:
-    """The exported SGLang draft (its weights as served), else the trained one."""
-    from safetensors.torch import load_file
-
-    from workflows.checkpoint import load_draft_config, load_draft_weights
-
-    folder = run_dir / "train" / "draft"
+def load_draft_for_eval(cfg: FullConfig, layout: RunLayout, model, dtype: torch.dtype) -> tuple[Eagle3Draft, str]:
+    """The draft this run's train stage produced: its export (the weights as served) when
+    the export stage made it from that very draft, else the trained weights."""
+    folder = layout.require_draft()
     draft = Eagle3Draft(load_draft_config(folder))
     draft.load_target_embeddings(model.get_input_embeddings().weight.float())
-    exported = run_dir / "export" / "sglang" / "model.safetensors"
-    if exported.exists():
-        load_draft_weights(folder, draft)  # shape/key checks, then the served weights over them
-        draft.load_state_dict({k: v.float() if v.is_floating_point() else v
-                               for k, v in load_file(str(exported)).items()}, strict=False)
-        source = str(exported)
-    else:
-        load_draft_weights(folder, draft)
-        source = str(folder / "draft.safetensors")
-    return draft.to(dtype).eval(), source
+    export = read_marker(layout.stage_dir("export")) or {}
+    source = folder / "draft.safetensors"
+    if export.get("summary", {}).get("train_key") == layout.done_key("train"):
+        source = layout.sglang_export / "model.safetensors"
+    elif export:
+        log(f"evaluate: {layout.sglang_export} was exported from an older draft; scoring {source} instead")
+    load_draft_weights(folder, draft, file=source)
+    return draft.to(dtype).eval(), str(source)
 
 
 def plot(report: dict, folder: Path) -> list[str]:
@@ -208,30 +201,26 @@ def markdown(r: dict, plots: list[str]) -> str:
 
 
 def run(cfg: FullConfig, target_path: Path) -> Path:
-    from workflows.target import load_target, target_provenance
-
     e = cfg.evaluate
-    out = cfg.run_path / "report"
-    draft_file = cfg.run_path / "train" / "draft" / "draft.safetensors"
-    if not draft_file.exists():
-        raise FileNotFoundError(f"{draft_file}: run the train stage first")
-    from eagle3.schema import to_dict
-
-    served = cfg.run_path / "benchmark" / "benchmark.json"  # python -m workflows.benchmark --out ...
-    key = {"evaluate": to_dict(e), "draft": draft_file.stat().st_mtime_ns, "target": target_provenance(target_path),
-           "served": served.stat().st_mtime_ns if served.exists() else None}
+    layout = RunLayout.of(cfg)
+    out = layout.stage_dir("evaluate")
+    served = layout.benchmark_file  # python -m workflows.tools.benchmark --out ...
+    key = {"evaluate": to_dict(e), "target": identity_for(cfg, target_path), **layout.chain("train"),
+           "export": layout.done_key("export"), "served": served.stat().st_mtime_ns if served.exists() else None}
     if stage_is_done(out, key):
         log(f"evaluate: reusing {out}")
         return out
     torch.manual_seed(cfg.seed)
     dtype = getattr(torch, e.dtype)
-    model, tokenizer = load_target(target_path, dtype=dtype, trust_remote_code=cfg.target.trust_remote_code)
+    ids = load_draft_config(layout.require_draft()).capture_layer_ids
+    engine = HFEngine(EngineSpec(str(target_path), dtype=e.dtype, layer_ids=ids,
+                                 trust_remote_code=cfg.target.trust_remote_code))
+    model, tokenizer = engine.model, engine.tokenizer
     cfg.target.check_against_hf_config(model.config)
-    draft, source = load_draft_for_eval(cfg.run_path, model, dtype)
-    ids = draft.cfg.capture_layer_ids
-    rows = heldout_rows(cfg.run_path, e.max_prompts, e.max_new_tokens)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    groups, batches = heldout_batches(model, rows, ids, pad)
+    draft, source = load_draft_for_eval(cfg, layout, model, dtype)
+    rows = heldout_rows(layout, e.max_prompts, e.max_new_tokens)
+    groups = [rows[i : i + 4] for i in range(0, len(rows), 4)]
+    batches = engine.training_batches(groups, "capture held-out")
     head = TargetHead.from_hf(model)
     k = e.num_steps
     offline, offline_rows = offline_acceptance(draft, head, groups, batches, k)

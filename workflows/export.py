@@ -22,9 +22,14 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from eagle3.draft_config import DraftConfig
-from workflows.checkpoint import load_draft_config
-from workflows.common import atomic_dir, log, mark_done, read_json, stage_is_done, stage_main, write_json_atomic
-from workflows.config import FullConfig
+from workflows.core import wiring
+from workflows.core.cli import log, stage_main
+from workflows.core.config import FullConfig
+from workflows.core.draft_files import WEIGHTS as DRAFT_WEIGHTS
+from workflows.core.draft_files import load_draft_config, load_provenance
+from workflows.core.layout import RunLayout
+from workflows.core.markers import atomic_dir, clear_done, mark_done, stage_is_done, write_json_atomic
+from workflows.core.provenance import identity_for
 
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
 WEIGHTS = "model.safetensors"
@@ -75,11 +80,11 @@ def export_sglang(draft_dir: Path, out: Path, dtype: str = "bfloat16") -> Path:
     import torch
 
     draft_cfg = load_draft_config(draft_dir)
-    provenance = read_json(draft_dir / "provenance.json")
+    provenance = load_provenance(draft_dir)
     if list(provenance["capture_layer_ids"]) != list(draft_cfg.capture_layer_ids):
         raise ValueError(f"{draft_dir}: provenance.json capture_layer_ids={provenance['capture_layer_ids']} "
                          f"but draft_config.json capture_layer_ids={draft_cfg.capture_layer_ids}")
-    weights = load_file(str(draft_dir / "draft.safetensors"))
+    weights = load_file(str(draft_dir / DRAFT_WEIGHTS))
     torch_dtype = getattr(torch, dtype)
     # Floating weights in the serving dtype; d2t (int64) and t2d (bool) stay as they are.
     weights = {k: (v.to(torch_dtype) if v.is_floating_point() else v).contiguous() for k, v in weights.items()}
@@ -105,36 +110,33 @@ def export_vllm(sglang_dir: Path, out: Path, target_path: Path, capture_ids: lis
     with atomic_dir(out) as tmp:
         Eagle3Converter().convert(input_path=sglang_dir, output_path=tmp, base_model=str(target_path),
                                   validate=True, eagle_aux_hidden_state_layer_ids=list(capture_ids))
-        write_json_atomic(tmp / "provenance.json", read_json(sglang_dir / "provenance.json"))
+        write_json_atomic(tmp / "provenance.json", load_provenance(sglang_dir))
     return out
 
 
 def run(cfg: FullConfig, target_path: Path) -> Path:
-    from workflows import doctor
-    from workflows.target import target_provenance
-
-    draft_dir = cfg.run_path / "train" / "draft"
-    out = cfg.run_path / "export"
-    if not (draft_dir / "draft.safetensors").exists():
-        raise FileNotFoundError(f"{draft_dir}/draft.safetensors: run the train stage first")
-    key = {"draft": (draft_dir / "draft.safetensors").stat().st_mtime_ns,
-           "target": target_provenance(target_path), "dtype": cfg.target.dtype}
+    layout = RunLayout.of(cfg)
+    out = layout.stage_dir("export")
+    key = {"target": identity_for(cfg, target_path), "dtype": cfg.target.dtype, **layout.chain("train")}
     if stage_is_done(out, key):
         log(f"export: reusing {out}")
         return out
+    clear_done(out)
+    draft_dir = layout.require_draft()
     # The doctor first: never export a draft whose wiring contradicts the target.
-    doctor.raise_on_errors(doctor.check(doctor.sides_for_run(cfg, target_path, with_export=False)))
-    dtype = "float32" if cfg.target.dtype == "float32" else cfg.target.dtype
-    export_sglang(draft_dir, out / "sglang", dtype)
+    wiring.raise_on_errors(wiring.check(wiring.sides_for_run(cfg, target_path, with_export=False)))
+    export_sglang(draft_dir, layout.sglang_export, cfg.target.dtype)
     formats = ["sglang"]
     if speculators_available():
-        export_vllm(out / "sglang", out / "vllm", target_path, cfg.target.capture_ids)
+        export_vllm(layout.sglang_export, layout.vllm_export, target_path, cfg.target.capture_ids)
         formats.append("vllm")
     else:
         log("export: the `speculators` package is not installed; vLLM export skipped "
             "(pip install -e .[vllm])")
-    doctor.raise_on_errors(doctor.check(doctor.sides_for_run(cfg, target_path, with_export=True)))
-    mark_done(out, key, {"formats": formats})
+    wiring.raise_on_errors(wiring.check(wiring.sides_for_run(cfg, target_path, with_export=True)))
+    # The train key this export was made from: evaluate scores the export only when it
+    # belongs to the draft the train stage holds now.
+    mark_done(out, key, {"formats": formats, "train_key": key["train"]})
     log(f"export: wrote {', '.join(str(out / f) for f in formats)}")
     return out
 

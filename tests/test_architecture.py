@@ -1,0 +1,124 @@
+"""The house rules, read from the source (AST), so a stray import fails CI, not a review.
+
+* A stage (generate, capture, vocab, train, export, evaluate) imports the shared layers
+  (`workflows.core`), `eagle3`, `storage` and its own package, never another stage, a
+  tool or `workflows.full`.
+* `workflows.core` imports no stage, tool or `workflows.full`; a tool imports no stage.
+* `eagle3/` is the model and its maths: the standard library, torch and transformers only.
+* `storage/` imports no other package of the project.
+"""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("generate", "capture", "vocab", "train", "export", "evaluate")
+PROJECT = ("eagle3", "storage", "workflows", "bench", "tests")
+EAGLE3_ALLOWED = ("torch", "transformers", "eagle3")
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, root: Path) -> list[tuple[int, str]]:
+    """(line, absolute module) for every import in a file, relative ones resolved."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    package = module_name(path, root).rsplit(".", 1)[0] if path.name != "__init__.py" else module_name(path, root)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            # `from workflows import capture` imports the stage `workflows.capture`.
+            names = [f"{base}.{a.name}" for a in node.names] if base in ("workflows", "workflows.core") else []
+            found += [(node.lineno, base)] + [(node.lineno, n) for n in names]
+    return found
+
+
+def owner(module: str) -> str:
+    """What a module belongs to: 'stage:<name>', 'core', 'tools', 'full', or its top package."""
+    parts = module.split(".")
+    if parts[0] != "workflows" or len(parts) == 1:
+        return parts[0]
+    if parts[1] in STAGES:
+        return f"stage:{parts[1]}"
+    return {"core": "core", "tools": "tools", "full": "full"}.get(parts[1], f"workflows.{parts[1]}")
+
+
+def violations(root: Path) -> list[str]:
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    problems = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] not in ("eagle3", "storage", "workflows") or "sglang_cpu_shim" in rel.parts:
+            continue
+        me = owner(module_name(path, root))
+        reported = set()  # one problem per import statement
+        for line, module in imports(path, root):
+            if line in reported:
+                continue
+            count = len(problems)
+            top, theirs = module.split(".")[0], owner(module)
+            where = f"{rel}:{line} imports {module}"
+            if me == "eagle3" and top not in stdlib and top not in EAGLE3_ALLOWED:
+                problems.append(f"{where}: eagle3/ may import only the standard library, torch and transformers")
+            elif me == "storage" and top in PROJECT and top != "storage":
+                problems.append(f"{where}: storage/ imports no other package of the project")
+            elif me.startswith("stage:") and theirs.startswith(("stage:", "tools", "full")) and theirs != me:
+                problems.append(f"{where}: a stage imports the shared layers (workflows.core), never {theirs}")
+            elif me in ("core", "tools") and (theirs.startswith("stage:") or theirs == "full"):
+                problems.append(f"{where}: {me} never imports a stage")
+            elif me == "core" and theirs == "tools":
+                problems.append(f"{where}: core never imports a tool")
+            if len(problems) > count:
+                reported.add(line)
+    return problems
+
+
+def test_the_project_keeps_its_architecture():
+    assert violations(ROOT) == []
+
+
+def test_every_stage_is_a_module_or_package_of_workflows():
+    for stage in STAGES:
+        assert (ROOT / "workflows" / f"{stage}.py").is_file() or (ROOT / "workflows" / stage / "__init__.py").is_file()
+
+
+ALLOWED = {"eagle3": "import json\nimport torch\nfrom transformers import DynamicCache\nfrom eagle3.vocab import x\n",
+           "storage": "import numpy\nfrom storage.store import x\n",
+           "workflows": "import torch\nfrom workflows.core.layout import RunLayout\nfrom eagle3 import modeling\n"}
+
+
+@pytest.mark.parametrize("file, source, complaint", [
+    ("workflows/evaluate.py", "from workflows.train.stage import make_batches\n", "a stage imports the shared"),
+    ("workflows/capture/stage.py", "from workflows import generate\n", "a stage imports the shared"),
+    ("workflows/vocab.py", "from .tools import doctor\n", "a stage imports the shared"),
+    ("workflows/export.py", "import workflows.full\n", "a stage imports the shared"),
+    ("workflows/core/layout.py", "import workflows.export\n", "core never imports a stage"),
+    ("workflows/core/wiring.py", "from workflows.tools.serve import x\n", "core never imports a tool"),
+    ("workflows/tools/doctor.py", "from workflows.capture.stage import run\n", "tools never imports a stage"),
+    ("eagle3/ttt.py", "import numpy\n", "eagle3/ may import only"),
+    ("eagle3/vocab.py", "from workflows.core import layout\n", "eagle3/ may import only"),
+    ("storage/store.py", "from eagle3.schema import ConfigError\n", "storage/ imports no other package"),
+])
+def test_the_check_catches_each_kind_of_violation(tmp_path, file, source, complaint):
+    """The checker itself, on a one-file tree per rule (an empty report must mean something)."""
+    target = tmp_path / file
+    target.parent.mkdir(parents=True)
+    for parent in target.relative_to(tmp_path).parents:
+        if parent != Path("."):
+            (tmp_path / parent / "__init__.py").touch()
+    target.write_text(source)
+    found = violations(tmp_path)
+    assert len(found) == 1 and complaint in found[0], found
+    target.write_text(ALLOWED[file.split("/")[0]])  # the same file, importing what it may
+    assert violations(tmp_path) == []

@@ -1,0 +1,63 @@
+"""A draft folder on disk: what train writes and export, evaluate and the doctor read.
+
+    draft.safetensors   the draft's trainable weights and d2t/t2d, SGLang key names
+                        (the frozen target embeddings are not copied: they come from the target)
+    draft_config.json   the DraftConfig
+    provenance.json     target identity, capture ids and convention, code version, config
+
+Training checkpoints (workflows.train.checkpoint) add the optimizer and loop state to the
+same three files; a warm start reads only these.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3.draft_config import DraftConfig
+from eagle3.modeling import Eagle3Draft
+from eagle3.schema import ConfigError, from_dict
+from workflows.core.markers import read_json, write_json_atomic
+
+WEIGHTS = "draft.safetensors"
+FROZEN = ("embed_tokens.weight",)
+
+
+def draft_state(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
+    return {k: v.detach().contiguous().cpu() for k, v in draft.state_dict().items() if k not in FROZEN}
+
+
+def save_draft(folder: Path, draft: Eagle3Draft, provenance: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(draft_state(draft), str(folder / WEIGHTS), metadata={"format": "pt"})
+    write_json_atomic(folder / "draft_config.json", asdict(draft.cfg))
+    write_json_atomic(folder / "provenance.json", provenance)
+
+
+def load_draft_config(folder: Path) -> DraftConfig:
+    return from_dict(DraftConfig, read_json(folder / "draft_config.json"), "draft_config")
+
+
+def load_provenance(folder: Path) -> dict:
+    return read_json(folder / "provenance.json")
+
+
+def load_draft_weights(folder: Path, draft: Eagle3Draft, file: Path | None = None) -> None:
+    """Weights and vocab mapping only (a warm start), from `folder`'s draft.safetensors or
+    another file with the same keys (an export). Keys and shapes must match exactly."""
+    file = file or folder / WEIGHTS
+    own = draft.state_dict()
+    weights = {k: v.to(own[k].dtype) if v.is_floating_point() and k in own else v
+               for k, v in load_file(str(file)).items()}
+    for name, tensor in weights.items():
+        if name not in own:
+            raise ConfigError(f"{file}: unexpected tensor {name!r}")
+        if own[name].shape != tensor.shape:
+            raise ConfigError(f"{file}: {name} has shape {tuple(tensor.shape)}, the draft expects "
+                              f"{tuple(own[name].shape)}")
+    missing = sorted(set(own) - set(weights) - set(FROZEN))
+    if missing:
+        raise ConfigError(f"{file} lacks {missing}")
+    draft.load_state_dict(weights, strict=False)

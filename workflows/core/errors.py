@@ -1,0 +1,21 @@
+"""The project's own errors: each names what is wrong and what to do about it.
+
+Entry points (workflows.core.cli) print these as one line and exit non-zero, without a
+traceback; anything else is a bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+from eagle3.chat_template import TemplateError
+from eagle3.schema import ConfigError
+from storage.store import StoreError
+
+
+class InputError(ValueError):
+    """Bad input data (a prompt file, a corpus row): names the file, row and field."""
+
+
+class MissingArtefact(ConfigError):
+    """An upstream artefact is missing: names it and the stage that makes it."""
+
+
+USER_ERRORS = (ConfigError, TemplateError, StoreError, InputError)

@@ -1,0 +1,214 @@
+"""Wiring checks: do target, store, draft, export and serving agree?
+
+Used by the export stage (before and after writing), by `python -m workflows.tools.doctor`
+and by `python -m workflows.tools.serve`.
+
+Every artefact is read into a `Side`: a name saying where the facts come from and the
+facts themselves (capture ids in the pipeline's convention, hidden and vocab sizes, a
+hash of the draft vocab map, tokenizer and chat-template hashes, target path). `check`
+compares each fact across the sides that state it; every disagreement is one error that
+names both sides and both values. Capture ids stated in SGLang's "input of layer"
+convention are converted first, and shown as stated, so `[2, 30, 58]` inputs next to
+`[-1, 2, 30]` outputs reads as the failure it is.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eagle3.layer_ids import CONVENTION, from_sglang_layer_inputs, sglang_default_layer_inputs
+from eagle3.schema import ConfigError
+from eagle3.vocab import target_ids_of
+from storage.store import HiddenStateStore
+from workflows.core.layout import RunLayout
+from workflows.core.markers import read_json
+from workflows.core.provenance import identity_for
+
+INPUT_CONVENTION = "input_of_layer"  # SGLang's layers_to_capture
+FIELDS = ("capture_layer_ids", "target_num_layers", "target_hidden_size", "target_vocab_size", "draft_vocab_size",
+          "vocab_map_sha256", "tokenizer_sha256", "chat_template_sha256", "target_path")
+
+
+@dataclass
+class Side:
+    name: str
+    facts: dict = field(default_factory=dict)
+    stated: dict = field(default_factory=dict)  # how a fact was written, when converted
+    errors: list[str] = field(default_factory=list)  # problems inside this one artefact
+
+
+def set_capture_ids(side: Side, ids, convention: str | None) -> None:
+    if ids is None:
+        return
+    ids = [int(i) for i in ids]
+    if convention == CONVENTION:
+        side.facts["capture_layer_ids"] = ids
+    elif convention == INPUT_CONVENTION:
+        side.facts["capture_layer_ids"] = from_sglang_layer_inputs(ids)
+        side.stated["capture_layer_ids"] = f"inputs of layers {ids}"
+    else:
+        side.errors.append(f"{side.name}: capture ids {ids} have no known layer-id convention "
+                           f"({convention!r}; expected {CONVENTION!r} or {INPUT_CONVENTION!r})")
+
+
+def vocab_map_sha256(d2t, t2d) -> str:
+    import numpy as np
+
+    h = hashlib.sha256(np.asarray(d2t, dtype=np.int64).tobytes())
+    h.update(np.asarray(t2d, dtype=np.bool_).tobytes())
+    return h.hexdigest()[:16]
+
+
+def check_vocab_map(side: Side, d2t, t2d) -> None:
+    """d2t and t2d must describe the same draft->target map (target = i + d2t[i])."""
+    import torch
+
+    d2t, t2d = torch.as_tensor(d2t).long(), torch.as_tensor(t2d).bool()
+    side.facts["draft_vocab_size"] = int(d2t.numel())
+    side.facts["vocab_map_sha256"] = vocab_map_sha256(d2t.numpy(), t2d.numpy())
+    if not torch.equal(target_ids_of(d2t), t2d.nonzero().flatten()):
+        side.errors.append(f"{side.name}: d2t and t2d disagree (arange + d2t lists other target ids than t2d marks)")
+
+
+def side_from_target(p: dict) -> Side:
+    """The target's own facts, from its identity (workflows.core.provenance)."""
+    return Side(f"target ({p['path']})", {
+        "target_num_layers": p["num_layers"], "target_hidden_size": p["hidden_size"], "target_vocab_size": p["vocab_size"],
+        "tokenizer_sha256": p["tokenizer_sha256"], "chat_template_sha256": p["chat_template_sha256"],
+        "target_path": p["path"]})
+
+
+def side_from_provenance(name: str, prov: dict) -> Side:
+    """Any artefact's provenance record (draft, store): capture ids + target identity."""
+    side = Side(name)
+    target = prov.get("target", {})
+    set_capture_ids(side, prov.get("capture_layer_ids"), prov.get("layer_id_convention"))
+    side.facts.update({k: v for k, v in {
+        "target_hidden_size": prov.get("hidden_size", target.get("hidden_size")),
+        "target_num_layers": target.get("num_layers"), "target_vocab_size": target.get("vocab_size"),
+        "tokenizer_sha256": target.get("tokenizer_sha256"), "chat_template_sha256": target.get("chat_template_sha256"),
+        "target_path": target.get("path")}.items() if v is not None})
+    return side
+
+
+def side_from_draft(folder: Path) -> Side:
+    from safetensors.torch import load_file
+
+    side = side_from_provenance(f"draft checkpoint ({folder})", read_json(folder / "provenance.json"))
+    cfg = read_json(folder / "draft_config.json")
+    if side.facts.get("capture_layer_ids") not in (None, cfg["capture_layer_ids"]):
+        side.errors.append(f"{side.name}: provenance.json capture_layer_ids={side.facts['capture_layer_ids']} but "
+                           f"draft_config.json capture_layer_ids={cfg['capture_layer_ids']}")
+    side.facts.update({"target_hidden_size": cfg["target_hidden_size"], "target_vocab_size": cfg["vocab_size"],
+                       "target_num_layers": cfg["target_num_layers"]})
+    w = load_file(str(folder / "draft.safetensors"))
+    check_vocab_map(side, w["d2t"], w["t2d"])
+    if cfg["draft_vocab_size"] != side.facts["draft_vocab_size"]:
+        side.errors.append(f"{side.name}: draft_config.json draft_vocab_size={cfg['draft_vocab_size']} but d2t has "
+                           f"{side.facts['draft_vocab_size']} rows")
+    return side
+
+
+def side_from_store(url: str, prov: dict) -> Side:
+    """A hidden-state store's provenance (the capture contract, workflows.core.provenance)."""
+    side = Side(f"hidden-state store ({url})")
+    set_capture_ids(side, prov.get("capture_layer_ids"), prov.get("layer_id_convention"))
+    side.facts.update({k: v for k, v in {
+        "target_hidden_size": prov.get("hidden_size"), "target_num_layers": prov.get("num_layers"),
+        "target_vocab_size": (prov.get("target") or {}).get("vocab_size"),
+        "tokenizer_sha256": prov.get("tokenizer_sha256"), "chat_template_sha256": prov.get("chat_template_sha256"),
+        "target_path": prov.get("target_path")}.items() if v is not None})
+    return side
+
+
+def side_from_sglang_export(folder: Path, target_num_layers: int | None = None) -> Side:
+    """What SGLang will read from an export: its eagle_config ids, or its default layers."""
+    from safetensors.torch import load_file
+
+    cfg = read_json(folder / "config.json")
+    side = Side(f"SGLang export ({folder})")
+    ours = cfg.get("eagle3_pipeline", {})
+    n = target_num_layers or ours.get("target_num_layers")
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None:
+        set_capture_ids(side, ids, CONVENTION)  # SGLang adds 1 itself: ids are layer outputs
+    elif n:
+        set_capture_ids(side, sglang_default_layer_inputs(n), INPUT_CONVENTION)
+        side.stated["capture_layer_ids"] += "; SGLang's default: config.json names no eagle_aux_hidden_state_layer_ids"
+    else:
+        side.errors.append(f"{side.name}: config.json has no eagle_config.eagle_aux_hidden_state_layer_ids")
+    if cfg.get("architectures") != ["LlamaForCausalLMEagle3"]:
+        side.errors.append(f"{side.name}: architectures={cfg.get('architectures')}, SGLang needs "
+                           "['LlamaForCausalLMEagle3'] for an EAGLE-3 draft")
+    side.facts.update({k: v for k, v in {
+        "target_hidden_size": cfg.get("target_hidden_size", cfg.get("hidden_size")),
+        "target_vocab_size": cfg.get("vocab_size"), "tokenizer_sha256": ours.get("tokenizer_sha256"),
+        "chat_template_sha256": ours.get("chat_template_sha256"), "target_path": ours.get("target_path")}.items()
+        if v is not None})
+    w = load_file(str(folder / "model.safetensors"))
+    check_vocab_map(side, w["d2t"], w["t2d"])
+    if cfg.get("draft_vocab_size") != side.facts["draft_vocab_size"]:
+        side.errors.append(f"{side.name}: config.json draft_vocab_size={cfg.get('draft_vocab_size')} but d2t has "
+                           f"{side.facts['draft_vocab_size']} rows")
+    return side
+
+
+def side_from_vllm_export(folder: Path) -> Side:
+    cfg = read_json(folder / "config.json")
+    side = Side(f"vLLM/speculators export ({folder})")
+    set_capture_ids(side, cfg.get("eagle_aux_hidden_state_layer_ids"), CONVENTION)
+    layer = cfg.get("transformer_layer_config", {})
+    side.facts.update({"target_hidden_size": cfg.get("target_hidden_size") or layer.get("hidden_size"),
+                       "target_vocab_size": layer.get("vocab_size"), "draft_vocab_size": cfg.get("draft_vocab_size"),
+                       "target_path": str(Path(cfg["speculators_config"]["verifier"]["name_or_path"]).resolve())})
+    return side
+
+
+def side_from_engine_capture(name: str, layer_inputs: list[int]) -> Side:
+    """A serving engine that captures the inputs of these layers (SGLang's own naming)."""
+    side = Side(name)
+    set_capture_ids(side, layer_inputs, INPUT_CONVENTION)
+    return side
+
+
+def check(sides: list[Side]) -> list[str]:
+    errors = [e for s in sides for e in s.errors]
+    for f in FIELDS:
+        stating = [s for s in sides if s.facts.get(f) is not None]
+        for other in stating[1:]:
+            first = stating[0]
+            if other.facts[f] != first.facts[f]:
+                errors.append(f"{f}: {first.name} says {_show(first, f)} but {other.name} says {_show(other, f)}")
+    return errors
+
+
+def _show(side: Side, f: str) -> str:
+    v = side.facts[f]
+    return f"{v} ({side.stated[f]})" if f in side.stated else json.dumps(v) if not isinstance(v, str) else v
+
+
+def raise_on_errors(errors: list[str]) -> None:
+    if errors:
+        raise ConfigError("wiring doctor found disagreements:\n  - " + "\n  - ".join(errors))
+
+
+def sides_for_run(cfg, target_path: Path, with_export: bool = True) -> list[Side]:
+    """The config, the target and every artefact of the run that exists."""
+    config = Side(f"config (target={cfg.target.name})", {
+        "capture_layer_ids": cfg.target.capture_ids, "target_hidden_size": cfg.target.hidden_size,
+        "target_num_layers": cfg.target.num_layers, "target_vocab_size": cfg.target.vocab_size})
+    sides = [config, side_from_target(identity_for(cfg, target_path))]
+    layout = RunLayout.of(cfg)
+    if layout.done_key("capture") is not None:
+        store = HiddenStateStore(layout.store_url, layout.storage_options)
+        if store.exists():  # its root attributes only: no shard is opened
+            sides.append(side_from_store(layout.store_url, store.provenance))
+    if (layout.draft_dir / "draft.safetensors").exists():
+        sides.append(side_from_draft(layout.draft_dir))
+    if with_export and (layout.sglang_export / "config.json").exists():
+        sides.append(side_from_sglang_export(layout.sglang_export, cfg.target.num_layers))
+    if with_export and (layout.vllm_export / "config.json").exists():
+        sides.append(side_from_vllm_export(layout.vllm_export))
+    return sides

@@ -1,0 +1,277 @@
+"""Ingestion: prompt datasets in the formats people have -> one normalised Parquet table.
+
+Formats (`format`, or `auto` to detect per record):
+* `sharegpt`: `{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}, ...]}`
+* `openai`:   `{"messages": [{"role": ..., "content": ..., "reasoning_content"?: ...}, ...]}`
+* `prompts`:  `{"prompt": "...", "system"?: "..."}`
+Files: JSON (a list of records), JSONL (optionally .gz), Parquet; local paths or fsspec
+URLs (`memory://`, `s3://`, ...; compression inferred from the name).
+
+Normalised record: id, dataset, split, messages (list of {role, content, reasoning_content}).
+Ids: the record's own `id` when present, else a hash of its content, both prefixed by the
+dataset name. Duplicates (same system+user turns, anywhere in the mixture) are kept once.
+Split: `heldout` when a hash of the id falls under the held-out fraction, unless the dataset
+forces one split.
+
+What is fatal and what is skipped (nothing is dropped silently):
+* fatal, naming file and line (JSON/JSONL) or row (Parquet): malformed JSON, bytes that are
+  not UTF-8, a record that is not an object or lacks the format's field, an unreadable file.
+* counted skips, by reason, in the accounting table (first location of each logged):
+  `empty_conversation` (no turns, or no user turn), `missing_role_or_content`,
+  `unknown_role`, `non_alternating_roles`, `empty_prompt`, `duplicate`, `weight_sampled_out`.
+* fine: a conversation ending on a user turn (its answer is generated); existing assistant
+  turns are kept in the record (regeneration replaces them).
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterator
+
+from workflows.core.errors import InputError
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
+                  "system": "system"}
+OPENAI_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+FORMAT_FIELD = {"sharegpt": "conversations", "openai": "messages", "prompts": "prompt"}
+
+
+class IngestError(InputError):
+    """Fatal bad input; the message names the file and line or row."""
+
+
+class Skip(Exception):
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(reason)
+        self.reason, self.detail = reason, detail
+
+
+def hash_fraction(text: str) -> float:
+    return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+
+
+def split_of(sample_id: str, heldout_fraction: float) -> str:
+    """Deterministic train/held-out split by a hash of the id."""
+    return "heldout" if hash_fraction(sample_id) < heldout_fraction else "train"
+
+
+# ----------------------------------------------------------------------------- reading files
+
+
+def _file_type(path: str, file_type: str) -> str:
+    if file_type != "auto":
+        return file_type
+    name = path.lower().removesuffix(".gz")
+    for ext, kind in ((".jsonl", "jsonl"), (".ndjson", "jsonl"), (".json", "json"), (".parquet", "parquet")):
+        if name.endswith(ext):
+            return kind
+    raise IngestError(f"{path}: cannot tell the file type from the name; set file_type (json, jsonl, parquet)")
+
+
+def _open_bytes(path: str) -> bytes:
+    import fsspec
+
+    try:
+        with fsspec.open(path, "rb", compression="infer") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise IngestError(f"{path}: file not found") from None
+    except (OSError, gzip.BadGzipFile, EOFError) as exc:
+        raise IngestError(f"{path}: cannot read ({exc})") from None
+
+
+def _decode(data: bytes, path: str, line_of_offset) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line, col = line_of_offset(exc.start)
+        raise IngestError(f"{path}:{line}: not UTF-8 (byte 0x{data[exc.start]:02x} at column {col})") from None
+
+
+def iter_records(path: str, file_type: str = "auto") -> Iterator[tuple[str, Any]]:
+    """(location, record) pairs; location is `file:line` or `file:row N`."""
+    kind = _file_type(path, file_type)
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(io.BytesIO(_open_bytes(path)))
+        except Exception as exc:  # noqa: BLE001 - arrow raises many types for a bad file
+            if isinstance(exc, IngestError):
+                raise
+            raise IngestError(f"{path}: not a readable Parquet file ({exc})") from None
+        for i, row in enumerate(table.to_pylist()):
+            yield f"{path}:row {i}", row
+        return
+    data = _open_bytes(path)
+
+    def line_of(offset: int) -> tuple[int, int]:
+        before = data[:offset]
+        return before.count(b"\n") + 1, offset - (before.rfind(b"\n") + 1) + 1
+
+    text = _decode(data, path, line_of)
+    if kind == "json":
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise IngestError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg}, column {exc.colno})") from None
+        if isinstance(records, dict) and isinstance(records.get("data"), list):
+            records = records["data"]
+        if not isinstance(records, list):
+            raise IngestError(f"{path}: a JSON file must hold a list of records (or {{\"data\": [...]}})")
+        for i, record in enumerate(records):
+            yield f"{path}:record {i}", record
+        return
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise IngestError(f"{path}:{lineno}: malformed JSON ({exc.msg}, column {exc.colno})") from None
+        yield f"{path}:{lineno}", record
+
+
+# ----------------------------------------------------------------------------- normalising
+
+
+def _turns(items, role_key, text_key, roles) -> list[dict]:
+    if not isinstance(items, list) or not items:
+        raise Skip("empty_conversation")
+    out = []
+    for k, turn in enumerate(items):
+        if not isinstance(turn, dict) or not isinstance(turn.get(role_key), str) \
+                or not isinstance(turn.get(text_key), str):
+            raise Skip("missing_role_or_content", f"turn {k}")
+        role = roles.get(turn[role_key].strip().lower())
+        if role is None:
+            raise Skip("unknown_role", f"turn {k}: {turn[role_key]!r}")
+        message = {"role": role, "content": turn[text_key], "reasoning_content": None}
+        if isinstance(turn.get("reasoning_content"), str) and turn["reasoning_content"]:
+            message["reasoning_content"] = turn["reasoning_content"]
+        out.append(message)
+    return out
+
+
+def normalise(record: Any, fmt: str, location: str) -> list[dict]:
+    """Messages of one record; raises IngestError (fatal) or Skip (counted)."""
+    if not isinstance(record, dict):
+        raise IngestError(f"{location}: a record must be a JSON object, got {type(record).__name__}")
+    if fmt == "auto":
+        fmt = next((f for f, key in FORMAT_FIELD.items() if key in record), None)
+        if fmt is None:
+            raise IngestError(f"{location}: no 'conversations', 'messages' or 'prompt' field")
+    key = FORMAT_FIELD[fmt]
+    if key not in record:
+        raise IngestError(f"{location}: missing field {key!r} (format {fmt})")
+    if fmt == "sharegpt":
+        messages = _turns(record[key], "from", "value", SHAREGPT_ROLES)
+    elif fmt == "openai":
+        messages = _turns(record[key], "role", "content", OPENAI_ROLES)
+    else:
+        if not isinstance(record[key], str):
+            raise IngestError(f"{location}: field 'prompt' must be a string")
+        if not record[key].strip():
+            raise Skip("empty_prompt")
+        messages = [{"role": "user", "content": record[key], "reasoning_content": None}]
+        if isinstance(record.get("system"), str) and record["system"].strip():
+            messages.insert(0, {"role": "system", "content": record["system"], "reasoning_content": None})
+    body = messages[1:] if messages[0]["role"] == "system" else messages
+    if not any(m["role"] == "user" for m in body):
+        raise Skip("empty_conversation", "no user turn")
+    for k, m in enumerate(body):
+        expected = "user" if k % 2 == 0 else "assistant"
+        if m["role"] != expected:
+            raise Skip("non_alternating_roles", f"turn {k} is {m['role']}, expected {expected}")
+    return messages
+
+
+def prompt_key(messages: list[dict]) -> str:
+    """Content hash of what is sent to the target (system and user turns)."""
+    sent = [[m["role"], m["content"]] for m in messages if m["role"] != "assistant"]
+    return hashlib.sha256(json.dumps(sent, ensure_ascii=False).encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- mixture
+
+
+def ingest_dataset(name: str, path: str, fmt: str, file_type: str, limit: int | None, weight: float,
+                   split: str, heldout_fraction: float, seen: set[str], log=print) -> tuple[list[dict], Counter]:
+    """Normalised rows of one dataset plus its counts (read, kept, skipped_<reason>)."""
+    rows, counts = [], Counter()
+    first_seen: dict[str, str] = {}
+    for location, record in iter_records(path, file_type):
+        if limit is not None and len(rows) >= limit:
+            break
+        counts["records"] += 1
+        try:
+            messages = normalise(record, fmt, location)
+        except Skip as skip:
+            counts[f"skipped_{skip.reason}"] += 1
+            first_seen.setdefault(skip.reason, f"{location} {skip.detail}".strip())
+            continue
+        key = prompt_key(messages)
+        own = record.get("id")
+        sample_id = f"{name}:{own}" if isinstance(own, (str, int)) and str(own) else f"{name}:{key[:16]}"
+        if weight < 1.0 and hash_fraction("weight:" + sample_id) >= weight:
+            counts["skipped_weight_sampled_out"] += 1
+            continue
+        if key in seen:
+            counts["skipped_duplicate"] += 1
+            first_seen.setdefault("duplicate", location)
+            continue
+        seen.add(key)
+        rows.append({"id": sample_id, "dataset": name,
+                     "split": split if split != "auto" else split_of(sample_id, heldout_fraction),
+                     "messages": messages})
+    for reason, where in first_seen.items():
+        log(f"ingest {name}: skipped {counts['skipped_' + reason]} record(s) for {reason}, first at {where}")
+    ids = Counter(r["id"] for r in rows)
+    dup_ids = [i for i, n in ids.items() if n > 1]
+    if dup_ids:
+        raise IngestError(f"{path}: id {dup_ids[0]!r} is used by {ids[dup_ids[0]]} different records")
+    counts["conversations"] = len(rows)
+    return rows, counts
+
+
+def messages_type():
+    import pyarrow as pa
+
+    return pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()),
+                               ("reasoning_content", pa.string())]))
+
+
+def write_normalised(rows: list[dict], path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({
+        "id": pa.array([r["id"] for r in rows], pa.string()),
+        "dataset": pa.array([r["dataset"] for r in rows], pa.string()),
+        "split": pa.array([r["split"] for r in rows], pa.string()),
+        "messages": pa.array([r["messages"] for r in rows], messages_type()),
+    })
+    pq.write_table(table, path)
+
+
+def read_normalised(path: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
+
+
+def expand_paths(path: str) -> list[str]:
+    """A path, URL or glob pattern -> the files it names (sorted; a glob must match something)."""
+    if not any(ch in path for ch in "*?["):
+        return [path]
+    import fsspec
+
+    fs, _, paths = fsspec.core.get_fs_token_paths(path)
+    if not paths:
+        raise IngestError(f"{path}: the pattern matches no file")
+    return [fs.unstrip_protocol(p) if "://" in path else p for p in sorted(paths)]

@@ -1,0 +1,224 @@
+"""Stage `generate`: the target regenerates the answers of a prompt mixture, on Ray Data.
+
+    python -m workflows.generate [hydra overrides]        # this stage only (config `full`)
+    python -m workflows.generate mixture=bundled data.limit=8 target=tiny
+
+1. Ingest every dataset of `mixture` (workflows.generate.ingest) into `generate/prompts.parquet`
+   (id, dataset, split, messages), with per-dataset counts of what was skipped and why.
+2. Cut the prompts into shards of `data.shard_size` and send the shards not yet committed
+   through a Ray Data actor pool of target engines (workflows.generate.regenerate): every assistant
+   turn is regenerated in order, then the conversation is tokenized with the target's chat
+   template and assistant loss mask (eagle3.chat_template).
+3. Commit each shard whole: `shards/<k>.parquet` renamed into place, then `<k>.done.json`
+   (its counts) written last. A rerun skips committed shards, so a killed run resumes with
+   no duplicate and no loss; a changed config or prompt set starts the shards afresh.
+4. Write the token-accounting table (per dataset: conversations, prompt tokens, answer
+   tokens, skips by reason) to `generate/accounting.{json,txt}`, print it, mark DONE.
+
+Later stages read the committed rows with `RunLayout.read_corpus` (workflows.core.layout).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Callable
+
+from eagle3.schema import ConfigError
+from workflows.core.cli import log
+from workflows.core.cluster import ensure_ray
+from workflows.core.config import FullConfig, resolve_data_path
+from workflows.core.layout import RunLayout
+from workflows.core.markers import (atomic_file, clear_done, config_hash, mark_done, read_json, stage_is_done,
+                                    write_json_atomic, write_bytes_atomic)
+from workflows.core.provenance import identity_for
+from workflows.generate import ingest, offline_sources
+from workflows.generate.regenerate import RESULT_SCHEMA, Regenerator
+
+
+# ----------------------------------------------------------------------------- ingestion
+
+
+def ingest_mixture(cfg: FullConfig) -> tuple[list[dict], dict[str, Counter]]:
+    if not cfg.mixture:
+        raise ConfigError("mixture: no datasets configured (e.g. mixture=default)")
+    rows, counts, seen = [], {}, set()
+    for name, spec in cfg.mixture.items():
+        if spec.source == "file":
+            paths = ingest.expand_paths(str(resolve_data_path(spec.path)) if "://" not in spec.path else spec.path)
+        else:
+            paths = [offline_sources.materialise(spec.source, cfg.cache_path)]
+        limit = min(x for x in (spec.limit, cfg.data.limit, 1 << 62) if x is not None)
+        total = Counter()
+        for path in paths:
+            if total["conversations"] >= limit:
+                break
+            got, c = ingest.ingest_dataset(name, path, spec.format, spec.file_type, limit - total["conversations"],
+                                           spec.weight, spec.split, cfg.data.heldout_fraction, seen, log=log)
+            rows += got
+            total.update(c)
+        counts[name] = total
+        log(f"generate: {name}: {total['conversations']} conversations from {len(paths)} file(s)")
+    return rows, counts
+
+
+# ----------------------------------------------------------------------------- shards
+
+
+def commit_shard(layout: RunLayout, index: int, rows: list[dict]) -> dict:
+    """Write one shard's ok rows (Parquet, renamed into place), then its marker with counts."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    shard = layout.corpus_shard_file(index)
+    with atomic_file(shard) as tmp:
+        pq.write_table(pa.Table.from_pylist(ok, schema=RESULT_SCHEMA()), tmp)
+    per_dataset: dict[str, Counter] = defaultdict(Counter)
+    errors = []
+    for r in rows:
+        c = per_dataset[r["dataset"]]
+        if r["status"] == "ok":
+            c["conversations"] += 1
+            c["prompt_tokens"] += r["prompt_tokens"]
+            c["answer_tokens"] += r["answer_tokens"]
+            c["truncated"] += int(r["truncated"])
+            c["turns_cut_overlong"] += r["turns_cut"]
+            c["finished_eos"] += int(r["finish"] == "eos")
+        else:
+            c[f"skipped_{r['status']}"] += 1
+            if r["error"]:
+                errors.append(f"{r['id']}: {r['error']}")
+    record = {"rows": len(ok), "ids": sorted(r["id"] for r in rows), "errors": errors[:5],
+              "counts": {k: dict(v) for k, v in per_dataset.items()}}
+    write_json_atomic(shard.with_name(f"{index:05d}.done.json"), record)
+    return record
+
+
+def regenerate_shards(cfg: FullConfig, target_path: Path, pending: list[dict], expected: dict[int, int],
+                      layout: RunLayout, on_commit: Callable[[int], None] | None = None) -> None:
+    """Run the pending rows through the actor pool; commit each shard as soon as it is whole."""
+    import pyarrow as pa
+    import ray
+    import torch
+
+    ensure_ray(cfg.cluster)
+    threads = cfg.data.threads_per_engine or max(1, (os.cpu_count() or 1) // cfg.data.num_engines)
+    # SGLang on the GPUs of the machine when there are some (it sizes its own KV pool there);
+    # HF generate on CPU.
+    device = "cuda" if cfg.data.backend == "sglang" and torch.cuda.is_available() else "cpu"
+    settings = dict(max_new_tokens=cfg.data.max_new_tokens, temperature=cfg.data.temperature, top_p=cfg.data.top_p,
+                    reasoning=cfg.data.reasoning, keep_reasoning=cfg.data.keep_reasoning,
+                    max_length=cfg.data.max_length, overlong=cfg.data.overlong, backend=cfg.data.backend,
+                    dtype=cfg.target.dtype, threads=threads, seed=cfg.seed,
+                    sglang_max_total_tokens=cfg.data.sglang_max_total_tokens if device == "cpu" else None,
+                    trust_remote_code=cfg.target.trust_remote_code, tp_size=cfg.target.tp_size, device=device)
+    table = pa.Table.from_pylist([{"id": r["id"], "dataset": r["dataset"], "split": r["split"],
+                                   "shard": r["shard"], "messages_json": json.dumps(r["messages"])}
+                                  for r in pending])
+    ds = ray.data.from_arrow(table).repartition(max(1, len(expected))).map_batches(
+        Regenerator, fn_constructor_kwargs={"target_path": str(target_path), "settings": settings},
+        batch_size=cfg.data.batch_size, batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=cfg.data.num_engines),
+        num_cpus=1 if cfg.data.backend == "hf" else 0.5, zero_copy_batch=True)
+    buffers: dict[int, list[dict]] = defaultdict(list)
+    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+        for row in batch.to_pylist():
+            buffers[row["shard"]].append(row)
+            if len(buffers[row["shard"]]) == expected[row["shard"]]:
+                k = row["shard"]
+                record = commit_shard(layout, k, buffers.pop(k))
+                log(f"generate: committed shard {k} ({record['rows']} conversations)")
+                if on_commit is not None:
+                    on_commit(k)
+    if buffers:
+        raise RuntimeError(f"generate: shards {sorted(buffers)} came back incomplete from Ray Data")
+
+
+# ----------------------------------------------------------------------------- accounting
+
+
+def accounting(ingest_counts: dict[str, Counter], shards: dict[int, dict]) -> dict[str, dict]:
+    table: dict[str, Counter] = {name: Counter() for name in ingest_counts}
+    for name, c in ingest_counts.items():
+        table[name]["records"] = c["records"]
+        for k, v in c.items():
+            if k.startswith("skipped_"):
+                table[name][k] += v
+    for record in shards.values():
+        for name, c in record["counts"].items():
+            table.setdefault(name, Counter()).update(c)
+    return {name: dict(sorted(c.items())) for name, c in table.items()}
+
+
+def format_accounting(table: dict[str, dict]) -> str:
+    main = ["records", "conversations", "prompt_tokens", "answer_tokens", "truncated", "finished_eos"]
+    lines = [f"{'dataset':<20}" + "".join(f"{c:>15}" for c in main) + "  skipped"]
+    total = Counter()
+    for name, c in table.items():
+        total.update(c)
+        skips = ", ".join(f"{k.removeprefix('skipped_')}={v}" for k, v in c.items() if k.startswith("skipped_") and v)
+        lines.append(f"{name:<20}" + "".join(f"{c.get(k, 0):>15}" for k in main) + f"  {skips or '-'}")
+    skips = ", ".join(f"{k.removeprefix('skipped_')}={v}" for k, v in total.items() if k.startswith("skipped_") and v)
+    lines.append(f"{'TOTAL':<20}" + "".join(f"{total.get(k, 0):>15}" for k in main) + f"  {skips or '-'}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- stage
+
+
+def run(cfg: FullConfig, target_path: Path, on_commit: Callable[[int], None] | None = None) -> Path:
+    layout = RunLayout.of(cfg)
+    out = layout.stage_dir("generate")
+    rows, ingest_counts = ingest_mixture(cfg)
+    if not rows:
+        raise ingest.IngestError(f"generate: the mixture {list(cfg.mixture)} yields no usable conversation:\n"
+                                 + json.dumps({k: dict(v) for k, v in ingest_counts.items()}, indent=1))
+    data = {k: v for k, v in vars(cfg.data).items() if k not in ("num_engines", "threads_per_engine")}
+    key = {"data": data, "target": identity_for(cfg, target_path), "dtype": cfg.target.dtype, "seed": cfg.seed,
+           "prompts": config_hash({"rows": [[r["id"], r["split"], r["messages"]] for r in rows]})}
+    if stage_is_done(out, key):
+        log(f"generate: reusing {out}")
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    clear_done(out)
+    folder = layout.corpus_shards
+    plan = {"key": config_hash(key), "shard_size": cfg.data.shard_size, "conversations": len(rows)}
+    if folder.exists() and (not (folder / "plan.json").exists() or read_json(folder / "plan.json") != plan):
+        log(f"generate: config or prompts changed since the shards in {folder} were written; starting afresh")
+        shutil.rmtree(folder)
+    folder.mkdir(exist_ok=True)
+    write_json_atomic(folder / "plan.json", plan)
+    with atomic_file(layout.prompts_file) as tmp:
+        ingest.write_normalised(rows, tmp)
+
+    for i, r in enumerate(rows):
+        r["shard"] = i // cfg.data.shard_size
+    expected = Counter(r["shard"] for r in rows)
+    done = layout.committed_corpus_shards()
+    pending = [r for r in rows if r["shard"] not in done]
+    log(f"generate: {len(rows)} conversations in {len(expected)} shards, {len(done)} already committed, "
+        f"{len(pending)} conversations to regenerate ({cfg.data.backend} x{cfg.data.num_engines})")
+    if pending:
+        regenerate_shards(cfg, target_path, pending, {k: n for k, n in expected.items() if k not in done},
+                          layout, on_commit)
+    shards = layout.committed_corpus_shards()
+    ids = [i for s in shards.values() for i in s["ids"]]
+    if sorted(ids) != sorted(r["id"] for r in rows) or len(shards) != len(expected):
+        raise RuntimeError(f"generate: committed shards in {folder} do not cover the prompts exactly")
+    table = accounting(ingest_counts, shards)
+    text = format_accounting(table)
+    write_json_atomic(out / "accounting.json", table)
+    write_bytes_atomic(out / "accounting.txt", (text + "\n").encode())
+    print(text, flush=True)
+    for s in shards.values():
+        for e in s["errors"]:
+            log(f"generate: skipped {e}")
+    total = Counter()
+    for c in table.values():
+        total.update(c)
+    mark_done(out, key, {"conversations": total["conversations"], "prompt_tokens": total["prompt_tokens"],
+                         "answer_tokens": total["answer_tokens"], "shards": len(shards)})
+    return out

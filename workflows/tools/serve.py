@@ -1,0 +1,147 @@
+"""SGLang serving of target + EAGLE-3 draft: what SGLang will really do, and the command.
+
+SGLang 0.5.23 (sglang/srt/arg_groups/speculative_hook.py, `_handle_eagle_family`)
+resolves the three drafting arguments like this; its own checks accept combinations
+that silently change the request, so `resolve_spec_args` states the effect first:
+
+* none of `num_steps`, `topk`, `num_draft_tokens` given: it picks them per target
+  architecture (`_auto_choose_speculative_params`): LlamaForCausalLM (5, 4, 8); Grok-1
+  (5, 4, 8); DeepseekV2/V3/V32, GptOss, Glm4Moe, BailingMoe, MiMoV2, MistralLarge3 and
+  every other architecture (3, 1, 4).
+* `num_steps` not given but `topk` or `num_draft_tokens` given: an `assert` fails at
+  startup. `num_steps` given without the other two: they stay unset and the server
+  fails later; we refuse both.
+* `topk == 1`: `num_draft_tokens` is replaced by `num_steps + 1` with a warning in the
+  log (asking for 16 draft tokens with num_steps 1 gives 2: the cap seen in production).
+* `topk > 1`: the tree has at most `topk + (num_steps - 1) * topk^2` draft nodes; a
+  larger `num_draft_tokens - 1` is not rejected, the extra slots cannot be filled.
+
+    python -m workflows.tools.serve target=tiny run_dir=runs/tiny serve.num_steps=3 serve.topk=1 \
+        serve.num_draft_tokens=4              # prints the command; serve.launch=true runs it
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eagle3.schema import ConfigError
+from workflows.core.cli import hydra_entry, log
+from workflows.core.errors import MissingArtefact
+from workflows.core.layout import RunLayout
+from workflows.core.markers import read_json
+from workflows.core.provenance import REDACTED
+from workflows.core.sglang import server_cpu_args, with_shim
+
+ARCH_DEFAULTS = {"LlamaForCausalLM": (5, 4, 8), "Grok1ForCausalLM": (5, 4, 8), "Grok1VForCausalLM": (5, 4, 8)}
+OTHER_ARCH_DEFAULT = (3, 1, 4)
+
+
+class ServeArgsError(ConfigError):
+    """Drafting arguments SGLang would refuse or fail on."""
+
+
+@dataclass
+class SpecEffect:
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def max_tree_nodes(self) -> int:
+        return self.topk + (self.num_steps - 1) * self.topk ** 2
+
+
+def resolve_spec_args(num_steps: int | None, topk: int | None, num_draft_tokens: int | None,
+                      target_arch: str) -> SpecEffect:
+    """What SGLang will run for this request, with a warning for every silent change."""
+    given = {"num_steps": num_steps, "topk": topk, "num_draft_tokens": num_draft_tokens}
+    if all(v is None for v in given.values()):
+        steps, k, ndt = ARCH_DEFAULTS.get(target_arch, OTHER_ARCH_DEFAULT)
+        return SpecEffect(steps, k, ndt, [
+            f"no drafting arguments given: SGLang picks num_steps={steps}, topk={k}, num_draft_tokens={ndt} "
+            f"for architecture {target_arch}; pass all three to choose"])
+    missing = [k for k, v in given.items() if v is None]
+    if missing:
+        raise ServeArgsError(
+            f"set all of num_steps, topk, num_draft_tokens or none: {missing} missing. SGLang asserts at startup "
+            "when num_steps is unset and another is set, and fails later when only num_steps is set")
+    for k, v in given.items():
+        if v < 1:
+            raise ServeArgsError(f"{k}={v} must be >= 1")
+    effect = SpecEffect(num_steps, topk, num_draft_tokens)
+    if topk == 1 and num_draft_tokens != num_steps + 1:
+        effect.num_draft_tokens = num_steps + 1
+        effect.warnings.append(
+            f"topk=1: SGLang replaces num_draft_tokens={num_draft_tokens} by num_steps+1={num_steps + 1}; "
+            f"the draft proposes {num_steps} tokens per pass, not {num_draft_tokens - 1}. "
+            f"Raise num_steps to {num_draft_tokens - 1} for a chain that long")
+    if topk > 1 and num_draft_tokens - 1 > effect.max_tree_nodes:
+        effect.warnings.append(
+            f"num_draft_tokens-1={num_draft_tokens - 1} exceeds topk + (num_steps-1)*topk^2 = {effect.max_tree_nodes} "
+            f"draft nodes for num_steps={num_steps}, topk={topk}: SGLang accepts it but cannot fill the extra "
+            "slots; raise num_steps or topk, or lower num_draft_tokens")
+    if num_draft_tokens < 2 and topk > 1:
+        effect.warnings.append(f"num_draft_tokens={num_draft_tokens} verifies no draft token at all")
+    return effect
+
+
+def launch_command(target_path: str, draft_path: str, effect: SpecEffect, tp_size: int = 1,
+                   host: str = "127.0.0.1", port: int = 30000, env: dict | None = None, cpu: bool = False,
+                   extra_args: list[str] | None = None, speculative: bool = True) -> tuple[list[str], dict]:
+    """(argv, environment) for `python -m sglang.launch_server`; loopback unless told."""
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(target_path),
+            "--host", host, "--port", str(port), "--tp-size", str(tp_size)]
+    if speculative:
+        argv += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_path),
+                 "--speculative-num-steps", str(effect.num_steps), "--speculative-eagle-topk", str(effect.topk),
+                 "--speculative-num-draft-tokens", str(effect.num_draft_tokens)]
+    environment = {k: str(v) for k, v in (env or {}).items()}
+    if cpu:
+        argv += server_cpu_args()
+        environment["PYTHONPATH"] = with_shim({"PYTHONPATH": os.environ.get("PYTHONPATH", "")})["PYTHONPATH"]
+    argv += list(extra_args or [])
+    return argv, environment
+
+
+def printable_command(argv: list[str], env: dict, secret_keys=()) -> str:
+    """The command as one line, with the values of `secret_keys` (the preset's env) masked."""
+    shown = " ".join(f"{k}={REDACTED if k in secret_keys else v}" for k, v in env.items())
+    return (shown + " " if shown else "") + " ".join(argv)
+
+
+def target_architecture(target_path: str | Path) -> str:
+    archs = read_json(Path(target_path) / "config.json").get("architectures") or ["?"]
+    return archs[0]
+
+
+def serve(cfg) -> None:
+    from workflows.core.targets import prepare_for
+    from workflows.core.wiring import check, raise_on_errors, side_from_sglang_export, sides_for_run
+
+    s = cfg.serve
+    target_path = prepare_for(cfg, log=log)
+    draft = Path(s.draft_path) if s.draft_path else RunLayout.of(cfg).sglang_export
+    if not (draft / "config.json").is_file():
+        raise MissingArtefact(f"{draft}/config.json: no exported draft to serve; run the export stage first "
+                              "(stages=[export]) or point serve.draft_path at an export")
+    effect = resolve_spec_args(s.num_steps, s.topk, s.num_draft_tokens, target_architecture(target_path))
+    for w in effect.warnings:
+        log(f"serve: WARNING {w}")
+    sides = sides_for_run(cfg, target_path) + [side_from_sglang_export(draft, cfg.target.num_layers)]
+    sides[-1].name = f"serving (--speculative-draft-model-path {draft})"
+    raise_on_errors(check(sides))
+    argv, env = launch_command(str(target_path), str(draft), effect, cfg.target.tp_size, s.host, s.port,
+                               cfg.target.env, s.cpu, s.extra_args)
+    log("serve: " + printable_command(argv, env, secret_keys=set(cfg.target.env)))
+    if s.launch:
+        os.execvpe(argv[0], argv, {**os.environ, **env})
+
+
+main = hydra_entry(serve, lock=lambda cfg: False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Load an SGLang export with SGLang's own `LlamaForCausalLMEagle3`, on CPU, and compare.
+
+    PYTHONPATH=.:workflows/sglang_cpu_shim python -m workflows.tools.sglang_load_check <export/sglang>
+
+SGLang's `load_weights` skips tensors whose names it does not know without a word, so
+"it loaded" proves nothing: this builds the class from our config.json (SGLang's test
+helper publishes a one-rank CPU topology; the process group is gloo), runs its
+load_weights, then checks every SGLang parameter against our tensors (q/k/v and gate/up
+are fused by SGLang) and the draft->target map (`hot_token_id`). Prints one JSON line;
+exit status 1 on any mismatch. Run it in its own process: it initialises
+torch.distributed. Needs the `workflows/sglang_cpu_shim` folder on PYTHONPATH (see there).
+"""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from eagle3.vocab import target_ids_of
+
+FUSED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_sglang_draft(config: dict):
+    from sglang.srt.distributed import parallel_state
+    from sglang.test.test_utils import publish_build_topology
+    from transformers import LlamaConfig
+
+    publish_build_topology(device="cpu", tp_size=1)
+    parallel_state.init_distributed_environment(
+        world_size=1, rank=0, local_rank=0, backend="gloo",
+        distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+    parallel_state.initialize_model_parallel(backend="gloo")
+    from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+
+    return LlamaForCausalLMEagle3(LlamaConfig(**config))
+
+
+def our_names(sglang_name: str) -> list[str]:
+    """Our tensor names behind one SGLang parameter (fused ones are concatenated by rows)."""
+    name = sglang_name.removeprefix("model.").replace("layers.0.", "midlayer.")
+    for fused, parts in FUSED.items():
+        if fused in name:
+            return [name.replace(fused, p) for p in parts]
+    return [name]
+
+
+def check(export_dir: Path) -> dict:
+    config = json.loads((export_dir / "config.json").read_text())
+    ours = load_file(str(export_dir / "model.safetensors"))
+    model = build_sglang_draft(config)
+    model.load_weights(iter(ours.items()))
+    problems, checked, not_ours, used = [], [], [], {"d2t", "t2d"}
+    for name, param in model.named_parameters():
+        names = our_names(name)
+        if not all(n in ours for n in names):
+            not_ours.append(name)  # e.g. embed_tokens: SGLang takes the target's
+            continue
+        want = torch.cat([ours[n] for n in names], dim=0)
+        if tuple(want.shape) != tuple(param.shape):
+            problems.append(f"{name}: SGLang shape {tuple(param.shape)} vs ours {tuple(want.shape)}")
+        elif not torch.equal(param.detach().to(want.dtype), want):
+            problems.append(f"{name}: values differ after SGLang's load_weights")
+        else:
+            checked.append(name)
+            used.update(names)
+    if model.hot_token_id is None or not torch.equal(model.hot_token_id.long(), target_ids_of(ours["d2t"])):
+        problems.append("hot_token_id (SGLang's draft->target map from d2t) differs from arange + d2t")
+    expected_fc_in = len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) * config.get(
+        "target_hidden_size", config["hidden_size"])
+    if model.model.fc.weight.shape[1] != expected_fc_in:
+        problems.append(f"fc input width {model.model.fc.weight.shape[1]} != {expected_fc_in}")
+    unused = sorted(set(ours) - used)
+    if unused:
+        problems.append(f"tensors SGLang never loaded: {unused}")
+    return {"ok": not problems, "problems": problems, "checked": sorted(checked), "not_ours": sorted(not_ours)}
+
+
+if __name__ == "__main__":
+    report = check(Path(sys.argv[1]))
+    print("SGLANG_LOAD_CHECK " + json.dumps(report))
+    sys.exit(0 if report["ok"] else 1)
