@@ -16,6 +16,7 @@ import time
 from workflows.core.cli import log
 from workflows.core.config import compose
 from workflows.core.layout import RunLayout
+from workflows.core.precision import resolve
 from workflows.core.targets import prepare_for
 from workflows.generate import stage as generate
 
@@ -35,7 +36,7 @@ def main(overrides: list[str]) -> dict:
             raise SystemExit("bench_generate compares single-turn prompts only (use mixture=bundled)")
 
         # Plain: one in-process engine, batched generate over the same generation prompts.
-        s = Settings(max_new_tokens=cfg.data.max_new_tokens, max_length=cfg.data.max_length, dtype=cfg.target.dtype)
+        s = Settings(max_new_tokens=cfg.data.max_new_tokens, max_length=cfg.data.max_length, dtype=resolve(cfg.data.dtype))
         t0 = time.perf_counter()
         engine = HFEngine(EngineSpec(str(target_path), dtype=s.dtype))
         load_s = time.perf_counter() - t0

@@ -71,6 +71,41 @@ def to_sglang_layer_inputs(ids: Sequence[int]) -> list[int]:
     return [int(i) + 1 for i in ids]
 
 
+# Target model types whose SGLang 0.5.23 model (deepseek_v2.py, glm4_moe_lite.py) adds 1 to
+# `eagle_aux_hidden_state_layer_ids` only when the first id is 1, and otherwise takes the
+# list as layer inputs. Kimi-K2/K2.5 run on the DeepSeek-V3 language model.
+SGLANG_PLUS_ONE_IF_FIRST_IS_ONE = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25",
+                                             "glm4_moe_lite"})
+
+
+def sglang_layer_inputs(ids: Sequence[int], model_type: str) -> list[int]:
+    """The layers whose input SGLang captures when a draft's config names `ids`, by the
+    rule of the target's model family (Llama and most others: always id + 1)."""
+    ids = [int(i) for i in ids]
+    if model_type in SGLANG_PLUS_ONE_IF_FIRST_IS_ONE and ids[:1] != [1]:
+        return ids
+    return to_sglang_layer_inputs(ids)
+
+
+def check_sglang_servable(ids: Sequence[int], num_layers: int, model_type: str,
+                          field: str = "capture_layer_ids") -> None:
+    """Refuse capture ids SGLang cannot serve as trained, naming the id and the reason."""
+    ids = list(ids)
+    if num_layers - 1 in ids:
+        raise ConfigError(
+            f"{field}={ids}: id {num_layers - 1} (the output of the last layer) cannot be served by SGLang: it "
+            f"captures layer inputs, and a {num_layers}-layer target has no layer {num_layers} whose input it "
+            "is; train on a lower layer (e.g. the default ids) for SGLang serving"
+        )
+    captured = from_sglang_layer_inputs(sglang_layer_inputs(ids, model_type))
+    if captured != ids:
+        raise ConfigError(
+            f"{field}={ids}: SGLang serves a {model_type} target with the inputs of layers "
+            f"{sglang_layer_inputs(ids, model_type)}, i.e. ids {captured}, not the trained {ids} (for this family "
+            "it adds 1 only when the first id is 1); choose ids whose first is 1, e.g. the default ids"
+        )
+
+
 def sglang_default_layer_inputs(num_layers: int) -> list[int]:
     """The layers (by input) SGLang captures for a Llama-family draft whose config names none
     (its models/llama.py): [2, N // 2, N - 3], i.e. ids `default_capture_ids(N)`."""

@@ -44,8 +44,9 @@ class LoopConfig:
     steps: int = 300
     ttt: TTTConfig = field(default_factory=TTTConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    # bf16 autocast: on AMX CPUs and GPUs the matmuls run several times faster (bench/).
-    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    # bf16 autocast: on GPUs and AMX CPUs the matmuls run several times faster, on CPUs
+    # without bf16 units many times slower (bench/bench_train_step.py); fp32 is exact.
+    compute_dtype: Literal["bfloat16", "float32"] = "float32"
     acceptance_k: int = 4  # draft tokens per target pass in the simulated acceptance
     log_every: int = 25
     seed: int = 0

@@ -25,7 +25,7 @@ def cfg_for(tiny_target, run_dir, *extra):
         "target=tiny", "mixture=bundled", f"cache_dir={tiny_target.parent.parent}", f"run_dir={run_dir}",
         "data.limit=12", "data.max_new_tokens=16", "data.heldout_fraction=0.25",
         "capture.shard_samples=3", "capture.shards_per_call=2", "capture.micro_batch_tokens=256",
-        "cluster.dashboard=false", "cluster.num_cpus=2", *extra])
+        "cluster.dashboard=false", "cluster.num_cpus=2", "data.dtype=float32", "capture.dtype=float32", *extra])
 
 
 @pytest.fixture(scope="module")

@@ -73,3 +73,46 @@ def test_export_without_layer_ids_means_sglang_default(tmp_path):
     errors = check([draft_side(draft_vocab_size=None, vocab_map_sha256=None, target_hidden_size=None,
                                target_vocab_size=None), side])
     assert any("says [1, 29, 57] (inputs of layers [2, 30, 58]; SGLang's default" in e for e in errors), errors
+
+
+def export_naming(folder, ids, num_layers=61, vocab=163840):
+    """A minimal SGLang export folder whose config names `ids`."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[:4] = True
+    save_file({"d2t": torch.zeros(4, dtype=torch.long), "t2d": t2d}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 7168, "vocab_size": vocab, "draft_vocab_size": 4,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}, "eagle3_pipeline": {"target_num_layers": num_layers}}))
+    return folder
+
+
+def kimi_draft(ids):
+    return draft_side(capture_layer_ids=ids, draft_vocab_size=None, vocab_map_sha256=None, target_hidden_size=None,
+                      target_vocab_size=None)
+
+
+def test_kimi_preset_follows_sglangs_deepseek_rule(tmp_path):
+    """SGLang's DeepSeek-V3 model (Kimi-K2.5's language model) adds 1 only when the first id is 1."""
+    from workflows.core.config import compose
+
+    kimi = compose(["target=kimi_k25_int4"]).target
+    assert kimi.model_type == "deepseek_v3" and kimi.capture_ids == [1, 29, 57]
+    good = doctor.side_from_sglang_export(export_naming(tmp_path / "a", [1, 29, 57]), 61, kimi.model_type)
+    assert check([kimi_draft([1, 29, 57]), good]) == []
+    # The variant the original run ended with: SGLang reads [-1, 2, 30] as layer *inputs*.
+    bad = doctor.side_from_sglang_export(export_naming(tmp_path / "b", [-1, 2, 30]), 61, kimi.model_type)
+    [error] = check([kimi_draft([-1, 2, 30]), bad])
+    assert "says [-1, 2, 30]" in error and "says [-2, 1, 29] (inputs of layers [-1, 2, 30] for a deepseek_v3" in error
+    # A Llama target reads the same list as outputs: no disagreement there.
+    llama = doctor.side_from_sglang_export(export_naming(tmp_path / "b", [-1, 2, 30]), 61, "llama")
+    assert check([kimi_draft([-1, 2, 30]), llama]) == []
+
+
+def test_the_last_layer_cannot_be_served(tmp_path):
+    side = doctor.side_from_sglang_export(export_naming(tmp_path, [1, 29, 60]), 61, "deepseek_v3")
+    assert any("names id 60, the last layer's output, which SGLang cannot capture" in e for e in check([side]))

@@ -45,20 +45,32 @@ def test_offline_walk_equals_decoded_acceptance_for_a_trained_draft():
 
 
 @pytest.mark.slow
-def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target):
+def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target, monkeypatch):
     from tests.test_workflows import tiny_cfg
     from workflows import full
 
     cfg = tiny_cfg(tiny_target, tmp_path / "run", "train.steps=60", "evaluate.max_prompts=4",
                    "evaluate.max_new_tokens=20", "evaluate.num_steps=3", "train.acceptance_k=3")
     assert cfg.stages[-2:] == ["export", "evaluate"]
+    logs = []
+    monkeypatch.setattr(full, "log", logs.append)
     full.run(cfg)
     report = json.loads((tmp_path / "run" / "report" / "report.json").read_text())
+    # The run ends on the report's headline, the draft's place and the serve command.
+    assert logs[-3].startswith(f"acceptance: offline {report['acceptance_offline']:.3f}, decoded ")
+    assert logs[-2] == f"draft: {tmp_path / 'run' / 'export' / 'sglang'}"
+    assert logs[-1].endswith(f"python -m workflows.tools.serve target=tiny run_dir={tmp_path / 'run'} serve.launch=true")
     for key in ("acceptance_offline", "acceptance_decoded", "parity_ratio", "lossless", "num_draft_tokens", "topk",
                 "per_position_acceptance", "speedup_decoded"):
         assert key in report, key
     assert report["lossless"] is True and report["num_draft_tokens"] == 4 and report["topk"] == 1
     assert len(report["per_position_acceptance"]) == 3
+    assert report["serve_args"] == ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
+                                    "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+    # SGLang counts the prefill's token too: one more token per prompt over the same passes.
+    passes = report["target_forwards_decoded"]
+    assert report["acceptance_decoded_sglang_definition"] == pytest.approx(
+        report["acceptance_decoded"] + report["prompts"] / passes)
     assert report["acceptance_decoded"] >= 1.0 and report["speedup_decoded"] > 0
     # Same draft, same answers, same dtype: the offline walk predicts decoding.
     assert 0.95 <= report["parity_ratio"] <= 1.05, report
@@ -85,6 +97,8 @@ def test_markdown_lists_served_benchmark():
 
     r = {"draft": "d", "target": "t", "prompts": 2, "max_new_tokens": 8, "num_steps": 3, "topk": 1,
          "acceptance_offline": 1.5, "acceptance_offline_per_position_average": 1.7, "acceptance_decoded": 1.5,
+         "acceptance_decoded_sglang_definition": 1.7, "dtype": "float32",
+         "serve_args": ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3"],
          "parity_ratio": 1.0, "lossless": True, "text_agreement": 1.0, "tokens_per_s_plain": 10.0,
          "tokens_per_s_decoded": 12.0, "speedup_decoded": 1.2, "per_position_acceptance_offline": [0.5, 0.4, 0.3],
          "per_position_acceptance": [0.5, 0.4, 0.3],
@@ -93,3 +107,5 @@ def test_markdown_lists_served_benchmark():
     assert "| parity ratio offline / decoded | 1.000 |" in md
     assert "| served (generate), concurrency 1: tokens/s, accept length | 42.0, 2.5 |" in md
     assert "![speed.png](speed.png)" in md
+    assert "| acceptance decoded, SGLang's definition" in md and "| 1.700 |" in md
+    assert "serving with `--speculative-algorithm EAGLE3 --speculative-num-steps 3`" in md

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def tiny_cfg(tiny_target, run_dir, *extra):
     return compose(["target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={run_dir}",
-                    "data.max_new_tokens=8", "data.shard_size=4", "data.batch_size=4", *extra])
+                    "data.max_new_tokens=8", "data.shard_size=4", "data.batch_size=4", "data.dtype=float32", *extra])
 
 
 @pytest.fixture(scope="module")

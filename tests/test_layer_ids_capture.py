@@ -64,3 +64,27 @@ def test_capture_refuses_unknown_layer():
     model = tiny_hf_llama(num_layers=6)
     with pytest.raises(ConfigError, match="out of range for a 6-layer target"):
         capture_states(model, torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3), [1, 2, 6])
+
+
+@pytest.mark.parametrize("ids, model_type, inputs", [
+    ([1, 14, 26], "llama", [2, 15, 27]),
+    ([-1, 2, 30], "llama", [0, 3, 31]),
+    ([1, 29, 57], "deepseek_v3", [2, 30, 58]),
+    ([-1, 2, 30], "deepseek_v3", [-1, 2, 30]),  # taken as inputs: the first id is not 1
+    ([-1, 2, 30], "kimi_k25", [-1, 2, 30]),
+])
+def test_sglang_reads_ids_by_the_targets_family(ids, model_type, inputs):
+    from eagle3.layer_ids import sglang_layer_inputs
+
+    assert sglang_layer_inputs(ids, model_type) == inputs
+
+
+def test_ids_sglang_cannot_serve_are_refused_by_name():
+    from eagle3.layer_ids import check_sglang_servable
+
+    check_sglang_servable([1, 29, 57], 61, "deepseek_v3")
+    check_sglang_servable([-1, 2, 30], 61, "llama")
+    with pytest.raises(ConfigError, match=r"id 60 \(the output of the last layer\) cannot be served by SGLang"):
+        check_sglang_servable([1, 29, 60], 61, "deepseek_v3")
+    with pytest.raises(ConfigError, match=r"inputs of layers \[-1, 2, 30\], i.e. ids \[-2, 1, 29\], not the trained"):
+        check_sglang_servable([-1, 2, 30], 61, "deepseek_v3", "target.capture_layer_ids")

@@ -86,3 +86,21 @@ def test_benchmark_against_a_cpu_sglang_server(tiny_target):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+def test_serve_defaults_to_what_the_report_evaluated(tmp_path):
+    import json
+
+    from workflows.core.config import compose
+    from workflows.tools.serve import drafting_to_serve
+
+    cfg = compose(["target=tiny", f"run_dir={tmp_path}", "evaluate.num_steps=3"])
+    assert drafting_to_serve(cfg) == (3, 1, 4)  # no report yet: the evaluate config, a chain
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "report.json").write_text(json.dumps({"num_steps": 5, "topk": 1, "num_draft_tokens": 6}))
+    assert drafting_to_serve(cfg) == (5, 1, 6)
+    explicit = compose(["target=tiny", f"run_dir={tmp_path}", "serve.num_steps=2", "serve.topk=4",
+                        "serve.num_draft_tokens=8"])
+    assert drafting_to_serve(explicit) == (2, 4, 8)
+    # Never SGLang's own per-architecture pick (a (5, 4, 8) tree for Llama) unless asked for.
+    assert resolve_spec_args(*drafting_to_serve(cfg), "LlamaForCausalLM").topk == 1

@@ -19,12 +19,17 @@ def compose_cfg(*overrides):
     return compose(overrides)
 
 
+# The tiny target is an fp32 model: tests that compare figures pin every dtype (`auto` would
+# measure the machine, see workflows.core.precision).
+FP32 = ("data.dtype=float32", "capture.dtype=float32", "train.capture_dtype=float32")
+
+
 def tiny_cfg(tiny_target, run_dir, *extra):
     return compose_cfg(
         "target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={run_dir}", "mixture=bundled",
         "data.limit=16", "data.max_new_tokens=24", "data.heldout_fraction=0.25",
         "train.steps=12", "train.checkpoint_every=4", "train.log_every=4", "train.batch_size=4",
-        "train.optim.lr=3e-3", "train.compute_dtype=float32", *extra,
+        "train.optim.lr=3e-3", "train.compute_dtype=float32", *FP32, *extra,
     )
 
 
@@ -158,7 +163,7 @@ def test_tiny_draft_learns_within_a_minute(tiny_target, tmp_path):
     """The foundation's promise: a minute of training on the tiny target lifts acceptance."""
     cfg = compose_cfg(
         "target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={tmp_path}", "mixture=bundled",
-        "data.max_new_tokens=64", "train.steps=150", "train.optim.lr=3e-3", "train.compute_dtype=float32",
+        "data.max_new_tokens=64", "train.steps=150", "train.optim.lr=3e-3", "train.compute_dtype=float32", *FP32,
         "train.ttt.noise.std=0.01", "train.log_every=50", "tracking.wandb=true", "tracking.mode=offline", *SECRETS,
     )
     out = full.run(cfg)

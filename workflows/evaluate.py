@@ -41,6 +41,7 @@ from workflows.core.errors import InputError
 from workflows.core.layout import RunLayout
 from workflows.core.markers import atomic_dir, mark_done, read_json, read_marker, stage_is_done, write_json_atomic
 from workflows.core.provenance import identity_for
+from workflows.core.sglang import speculative_args
 
 
 def heldout_rows(layout: RunLayout, limit: int, max_new_tokens: int) -> list[dict]:
@@ -100,6 +101,8 @@ def decode_all(model, draft, rows, capture_ids, num_steps, topk, num_draft_token
     tokens = sum(p["tokens"] for p in per_row)
     return {
         "acceptance": gained / forwards if forwards else float("nan"), "target_forwards": forwards,
+        # SGLang's figure: completion tokens (the prefill's token included) / verify passes.
+        "acceptance_sglang": tokens / forwards if forwards else float("nan"),
         "per_position_acceptance": slots.rate,
         "lossless": bool(lossless), "text_agreement": agree / total if total else float("nan"),
         "tokens_per_s_spec": tokens / spec_s, "tokens_per_s_plain": tokens / plain_s,
@@ -180,6 +183,8 @@ def markdown(r: dict, plots: list[str]) -> str:
         f"| acceptance offline (walk over TTT outputs) | {r['acceptance_offline']:.3f} |",
         f"| acceptance offline, per-position average (overestimates) | {r['acceptance_offline_per_position_average']:.3f} |",
         f"| acceptance decoded (tokens per target pass) | {r['acceptance_decoded']:.3f} |",
+        f"| acceptance decoded, SGLang's definition (completion tokens / verify passes, the prefill's token "
+        f"included; compare served `accept_length` with this) | {r['acceptance_decoded_sglang_definition']:.3f} |",
         f"| parity ratio offline / decoded | {r['parity_ratio']:.3f} |",
         f"| lossless (decoded == plain greedy on every prompt) | {r['lossless']} |",
         f"| target's greedy text == stored answer | {r['text_agreement']:.3f} |",
@@ -196,6 +201,8 @@ def markdown(r: dict, plots: list[str]) -> str:
     lines += ["", "Per-position acceptance (P(accepted | reached)), offline vs decoded: "
               f"{[round(x, 3) for x in r['per_position_acceptance_offline']]} vs "
               f"{[round(x, 3) for x in r['per_position_acceptance']]}", ""]
+    lines += [f"These figures hold for SGLang serving with `{' '.join(r['serve_args'])}` "
+              f"(`python -m workflows.tools.serve` defaults to them), target and draft in {r['dtype']}.", ""]
     lines += [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
 
@@ -231,6 +238,12 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     report = {
         "target": str(target_path), "draft": source, "prompts": len(rows), "max_new_tokens": e.max_new_tokens,
         "num_steps": k, "topk": e.topk, "num_draft_tokens": e.num_draft_tokens or k + 1, "dtype": e.dtype,
+        "serve_args": speculative_args(k, e.topk, e.num_draft_tokens or k + 1),
+        "acceptance_definitions": {
+            "acceptance_decoded": "tokens produced by verify passes / verify passes (the prefill's token excluded)",
+            "acceptance_decoded_sglang_definition": "completion tokens / verify passes, the prefill's token "
+                                                    "included: SGLang's accept length"},
+        "acceptance_decoded_sglang_definition": dec["acceptance_sglang"],
         "acceptance_offline": offline.walk, "acceptance_offline_per_position_average": offline.per_position_average,
         "acceptance_decoded": dec["acceptance"], "parity_ratio": offline.walk / dec["acceptance"],
         "lossless": dec["lossless"], "text_agreement": dec["text_agreement"],

@@ -22,6 +22,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from eagle3.draft_config import DraftConfig
+from eagle3.layer_ids import check_sglang_servable
 from workflows.core import wiring
 from workflows.core.cli import log, stage_main
 from workflows.core.config import FullConfig
@@ -123,6 +124,9 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         return out
     clear_done(out)
     draft_dir = layout.require_draft()
+    # SGLang must capture what the draft was trained on (no id N-1; its per-family id rule).
+    check_sglang_servable(cfg.target.capture_ids, cfg.target.num_layers, cfg.target.model_type,
+                          "target.capture_layer_ids")
     # The doctor first: never export a draft whose wiring contradicts the target.
     wiring.raise_on_errors(wiring.check(wiring.sides_for_run(cfg, target_path, with_export=False)))
     export_sglang(draft_dir, layout.sglang_export, cfg.target.dtype)

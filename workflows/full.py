@@ -18,6 +18,7 @@ from workflows.capture.stage import capture_main
 from workflows.capture.stage import run as capture
 from workflows.core.cli import hydra_entry, log
 from workflows.core.config import FullConfig
+from workflows.core.layout import RunLayout
 from workflows.core.targets import prepare_for
 from workflows.generate.stage import run as generate
 from workflows.train.stage import run as train
@@ -42,7 +43,27 @@ def run(cfg: FullConfig) -> dict:
             seconds[stage] = round(time.perf_counter() - started, 1)
     log("stage wall times (s): " + json.dumps(seconds))
     log("done: " + ", ".join(f"{k} -> {v}" for k, v in outputs.items()))
+    for line in headline(cfg):
+        log(line)
     return outputs
+
+
+def headline(cfg: FullConfig) -> list[str]:
+    """The report's headline, the exported draft and how to serve exactly what was evaluated."""
+    layout = RunLayout.of(cfg)
+    report = layout.stage_dir("evaluate") / "report.json"
+    if layout.done_key("evaluate") is None or not report.is_file():
+        return []
+    r = json.loads(report.read_text())
+    return [
+        f"acceptance: offline {r['acceptance_offline']:.3f}, decoded {r['acceptance_decoded']:.3f} "
+        f"(SGLang's definition {r['acceptance_decoded_sglang_definition']:.3f}), parity "
+        f"{r['parity_ratio']:.3f}, lossless {r['lossless']}, speed-up {r['speedup_decoded']:.2f} "
+        f"(reference decoder, {r['dtype']}); {layout.stage_dir('evaluate') / 'report.md'}",
+        f"draft: {layout.sglang_export if layout.done_key('export') else layout.draft_dir}",
+        f"serve it as evaluated ({' '.join(r['serve_args'])}): python -m workflows.tools.serve "
+        f"target={cfg.target.name} run_dir={layout.root} serve.launch=true",
+    ]
 
 
 main = hydra_entry(run, lock=lambda cfg: not cfg.capture.estimate_only)

@@ -34,7 +34,13 @@ from workflows.core.config import FullConfig
 from workflows.core.engines import EngineSpec, engine_class
 from workflows.core.errors import InputError
 from workflows.core.layout import RunLayout
-from workflows.core.markers import clear_done, mark_done, stage_is_done, write_json_atomic
+from workflows.core.markers import (
+    clear_done,
+    mark_done,
+    stage_is_done,
+    write_json_atomic,
+)
+from workflows.core.precision import engine_dtype
 from workflows.core.provenance import CAPTURE_CONTRACT, identity_for, store_provenance
 from workflows.core.targets import check_checkpoint, prepare_for
 
@@ -211,7 +217,7 @@ def _capture_with_ray(cfg: FullConfig, target_path, store: HiddenStateStore, pen
     ensure_ray(cfg.cluster)
     ds = ray.data.from_items([vars(p) for p in pending])
     # One engine per actor, on the GPUs Ray gave it (an SGLang actor is one TP group).
-    engine = {"target_path": str(target_path), "layer_ids": cfg.target.capture_ids, "dtype": cfg.engine_dtype,
+    engine = {"target_path": str(target_path), "layer_ids": cfg.target.capture_ids, "dtype": engine_dtype(cfg),
               "micro_batch_tokens": c.micro_batch_tokens, "trust_remote_code": cfg.target.trust_remote_code,
               "threads": max(1, int(c.cpus_per_actor)), "device": "cuda" if c.gpus_per_actor else "cpu",
               "tp_size": cfg.target.tp_size if c.backend == "sglang" else 1, "seed": cfg.seed}

@@ -20,6 +20,7 @@ from eagle3.schema import ConfigError, check_ranges, from_dict
 from eagle3.target_spec import TargetSpec
 from eagle3.training import LoopConfig
 
+DTYPE = Literal["auto", "bfloat16", "float32", "float16"]  # auto: measured (workflows.core.precision)
 STAGES = ("target", "generate", "capture", "vocab", "train", "export", "evaluate")
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_NAME = "eagle3_schema"  # the structured config `conf/full.yaml` starts from
@@ -67,8 +68,9 @@ class DataSection:
     top_p: float = 1.0
     reasoning: bool = False
     keep_reasoning: bool = True  # mask (and keep) reasoning text in the tokenized samples
-    # Ray Data actor pool of target engines.
+    # Ray Data actor pool of target engines, computing in `dtype`.
     backend: Literal["hf", "sglang"] = "hf"
+    dtype: DTYPE = "auto"
     num_engines: int = 1
     threads_per_engine: int = 0  # 0: the machine's cores divided by num_engines
     shard_size: int = 32  # conversations per committed output shard
@@ -103,8 +105,10 @@ class TrainSection(LoopConfig):
     batch_size: int = 4
     device: str = "cpu"
     checkpoint_every: int = 100  # steps; 0 = only at the end
+    # The draft's compute: bf16 autocast or fp32; auto: whichever is faster here.
+    compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     # Target precision while computing its states for training ("online" capture).
-    capture_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    capture_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     # Where the target states come from: the capture stage's store, or computed here
     # ("online"); auto = the store when the capture stage has finished in run_dir.
     data_source: Literal["auto", "store", "online"] = "auto"
@@ -128,7 +132,7 @@ class CaptureSection:
     actors: int = 1
     cpus_per_actor: float = 1.0
     gpus_per_actor: float = 0.0  # GPU presets: the target's tp_size (one actor per TP group)
-    dtype: Literal["bfloat16", "float32", "float16"] | None = None  # engine dtype; null: target.dtype
+    dtype: DTYPE = "auto"  # the engines' dtype
     chunk_mb: float = 1.0  # Zarr chunk size of the state arrays (one Zarr shard file per array)
     compression: str = "none"  # or zstd[:level] (~1.28x on bf16 states, much slower)
     estimate_only: bool = False  # print bytes/token and the projected size, capture nothing
@@ -171,7 +175,7 @@ class TrackingSection:
 class ServeSection:
     """SGLang serving (workflows.tools.serve) and its benchmark (workflows.tools.benchmark)."""
 
-    # All three or none (SGLang then picks per architecture); see workflows.tools.serve.
+    # All three or none: none serves what the run's report evaluated (see workflows.tools.serve).
     num_steps: int | None = None
     topk: int | None = None
     num_draft_tokens: int | None = None
@@ -241,11 +245,6 @@ class FullConfig:
     @property
     def cache_path(self) -> Path:
         return Path(self.cache_dir).resolve()
-
-    @property
-    def engine_dtype(self) -> str:
-        """The capture engine's dtype: capture.dtype, else the target preset's."""
-        return self.capture.dtype or self.target.dtype
 
 
 def load_config(hydra_cfg) -> FullConfig:

@@ -27,6 +27,7 @@ from eagle3.layer_ids import CONVENTION
 from eagle3.schema import to_dict
 from eagle3.target_features import FINAL_IS_NORMED
 from workflows.core.markers import read_json, write_json_atomic
+from workflows.core.precision import engine_dtype
 
 PREPARED = "PREPARED.json"  # written last into a target folder the pipeline built
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -184,7 +185,7 @@ def capture_contract(cfg, identity: Mapping) -> dict:
         "capture_layer_ids": cfg.target.capture_ids, "layer_id_convention": CONVENTION,
         "state_dtype": "bfloat16", "final_is_normed": FINAL_IS_NORMED,
         "tokenizer_sha256": identity["tokenizer_sha256"], "chat_template_sha256": identity["chat_template_sha256"],
-        "backend": cfg.capture.backend, "engine_dtype": cfg.engine_dtype,
+        "backend": cfg.capture.backend, "engine_dtype": engine_dtype(cfg),
     }
     assert tuple(contract) == CAPTURE_CONTRACT
     return contract

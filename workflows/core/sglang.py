@@ -53,6 +53,12 @@ def server_cpu_args(dtype: str = "float32", max_total_tokens: int = 4096) -> lis
     return args
 
 
+def speculative_args(num_steps: int, topk: int, num_draft_tokens: int) -> list[str]:
+    """SGLang's drafting flags for these settings (the report states them; serve passes them)."""
+    return ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", str(num_steps),
+            "--speculative-eagle-topk", str(topk), "--speculative-num-draft-tokens", str(num_draft_tokens)]
+
+
 def with_shim(env: dict) -> dict:
     """`env` with the CPU shim (and the project) first on PYTHONPATH."""
     paths = [str(SHIM_DIR), str(ROOT), env.get("PYTHONPATH", "")]

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3.layer_ids import CONVENTION, from_sglang_layer_inputs, sglang_default_layer_inputs
+from eagle3.layer_ids import CONVENTION, from_sglang_layer_inputs, sglang_default_layer_inputs, sglang_layer_inputs
 from eagle3.schema import ConfigError
 from eagle3.vocab import target_ids_of
 from storage.store import HiddenStateStore
@@ -123,8 +123,10 @@ def side_from_store(url: str, prov: dict) -> Side:
     return side
 
 
-def side_from_sglang_export(folder: Path, target_num_layers: int | None = None) -> Side:
-    """What SGLang will read from an export: its eagle_config ids, or its default layers."""
+def side_from_sglang_export(folder: Path, target_num_layers: int | None = None,
+                            target_model_type: str = "llama") -> Side:
+    """What SGLang will really capture for an export: its eagle_config ids read by the rule
+    of the target's model family, or its default layers when the config names none."""
     from safetensors.torch import load_file
 
     cfg = read_json(folder / "config.json")
@@ -133,7 +135,13 @@ def side_from_sglang_export(folder: Path, target_num_layers: int | None = None) 
     n = target_num_layers or ours.get("target_num_layers")
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if ids is not None:
-        set_capture_ids(side, ids, CONVENTION)  # SGLang adds 1 itself: ids are layer outputs
+        inputs = sglang_layer_inputs(ids, target_model_type)
+        set_capture_ids(side, inputs, INPUT_CONVENTION)
+        side.stated["capture_layer_ids"] += (f" for a {target_model_type} target, from "
+                                             f"eagle_aux_hidden_state_layer_ids={ids}")
+        if n and n - 1 in ids:
+            side.errors.append(f"{side.name}: eagle_aux_hidden_state_layer_ids={ids} names id {n - 1}, the last layer's "
+                               f"output, which SGLang cannot capture (no layer {n} has it as input)")
     elif n:
         set_capture_ids(side, sglang_default_layer_inputs(n), INPUT_CONVENTION)
         side.stated["capture_layer_ids"] += "; SGLang's default: config.json names no eagle_aux_hidden_state_layer_ids"
@@ -208,7 +216,7 @@ def sides_for_run(cfg, target_path: Path, with_export: bool = True) -> list[Side
     if (layout.draft_dir / "draft.safetensors").exists():
         sides.append(side_from_draft(layout.draft_dir))
     if with_export and (layout.sglang_export / "config.json").exists():
-        sides.append(side_from_sglang_export(layout.sglang_export, cfg.target.num_layers))
+        sides.append(side_from_sglang_export(layout.sglang_export, cfg.target.num_layers, cfg.target.model_type))
     if with_export and (layout.vllm_export / "config.json").exists():
         sides.append(side_from_vllm_export(layout.vllm_export))
     return sides

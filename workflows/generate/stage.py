@@ -31,12 +31,20 @@ from workflows.core.cli import log
 from workflows.core.cluster import ensure_ray
 from workflows.core.config import FullConfig, resolve_data_path
 from workflows.core.layout import RunLayout
-from workflows.core.markers import (atomic_file, clear_done, config_hash, mark_done, read_json, stage_is_done,
-                                    write_json_atomic, write_bytes_atomic)
+from workflows.core.markers import (
+    atomic_file,
+    clear_done,
+    config_hash,
+    mark_done,
+    read_json,
+    stage_is_done,
+    write_bytes_atomic,
+    write_json_atomic,
+)
+from workflows.core.precision import resolve
 from workflows.core.provenance import identity_for
 from workflows.generate import ingest, offline_sources
 from workflows.generate.regenerate import RESULT_SCHEMA, Regenerator
-
 
 # ----------------------------------------------------------------------------- ingestion
 
@@ -97,22 +105,27 @@ def commit_shard(layout: RunLayout, index: int, rows: list[dict]) -> dict:
     return record
 
 
+def engine_device(cfg: FullConfig) -> str:
+    """SGLang on the GPUs of the machine when there are some (it sizes its own KV pool
+    there); HF generate on the CPU."""
+    import torch
+
+    return "cuda" if cfg.data.backend == "sglang" and torch.cuda.is_available() else "cpu"
+
+
 def regenerate_shards(cfg: FullConfig, target_path: Path, pending: list[dict], expected: dict[int, int],
                       layout: RunLayout, on_commit: Callable[[int], None] | None = None) -> None:
     """Run the pending rows through the actor pool; commit each shard as soon as it is whole."""
     import pyarrow as pa
     import ray
-    import torch
 
     ensure_ray(cfg.cluster)
     threads = cfg.data.threads_per_engine or max(1, (os.cpu_count() or 1) // cfg.data.num_engines)
-    # SGLang on the GPUs of the machine when there are some (it sizes its own KV pool there);
-    # HF generate on CPU.
-    device = "cuda" if cfg.data.backend == "sglang" and torch.cuda.is_available() else "cpu"
+    device = engine_device(cfg)
     settings = dict(max_new_tokens=cfg.data.max_new_tokens, temperature=cfg.data.temperature, top_p=cfg.data.top_p,
                     reasoning=cfg.data.reasoning, keep_reasoning=cfg.data.keep_reasoning,
                     max_length=cfg.data.max_length, overlong=cfg.data.overlong, backend=cfg.data.backend,
-                    dtype=cfg.target.dtype, threads=threads, seed=cfg.seed,
+                    dtype=resolve(cfg.data.dtype, device), threads=threads, seed=cfg.seed,
                     sglang_max_total_tokens=cfg.data.sglang_max_total_tokens if device == "cpu" else None,
                     trust_remote_code=cfg.target.trust_remote_code, tp_size=cfg.target.tp_size, device=device)
     table = pa.Table.from_pylist([{"id": r["id"], "dataset": r["dataset"], "split": r["split"],
@@ -177,7 +190,8 @@ def run(cfg: FullConfig, target_path: Path, on_commit: Callable[[int], None] | N
         raise ingest.IngestError(f"generate: the mixture {list(cfg.mixture)} yields no usable conversation:\n"
                                  + json.dumps({k: dict(v) for k, v in ingest_counts.items()}, indent=1))
     data = {k: v for k, v in vars(cfg.data).items() if k not in ("num_engines", "threads_per_engine")}
-    key = {"data": data, "target": identity_for(cfg, target_path), "dtype": cfg.target.dtype, "seed": cfg.seed,
+    data["dtype"] = resolve(cfg.data.dtype, engine_device(cfg))  # what the engines compute in here
+    key = {"data": data, "target": identity_for(cfg, target_path), "seed": cfg.seed,
            "prompts": config_hash({"rows": [[r["id"], r["split"], r["messages"]] for r in rows]})}
     if stage_is_done(out, key):
         log(f"generate: reusing {out}")

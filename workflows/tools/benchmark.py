@@ -110,7 +110,9 @@ def run_benchmark(url: str, prompts: list[str], max_new_tokens: int = 2048, warm
             "accept_length": (tokens / sum(passes)) if passes and len(passes) == len(timed)
             else (statistics.mean(accepts) if accepts else None),
         }
-    return {"url": url, "api": api, "max_new_tokens": max_new_tokens, "warmup": warmup, "results": results}
+    return {"url": url, "api": api, "max_new_tokens": max_new_tokens, "warmup": warmup, "results": results,
+            "accept_length_is": "completion tokens / verify passes (SGLang's spec_verify_ct), the prefill's token "
+                                "included: the report's acceptance_decoded_sglang_definition is the same figure"}
 
 
 def read_prompt_texts(path: Path, limit: int) -> list[str]:

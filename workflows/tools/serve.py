@@ -32,7 +32,7 @@ from workflows.core.errors import MissingArtefact
 from workflows.core.layout import RunLayout
 from workflows.core.markers import read_json
 from workflows.core.provenance import REDACTED
-from workflows.core.sglang import server_cpu_args, with_shim
+from workflows.core.sglang import server_cpu_args, speculative_args, with_shim
 
 ARCH_DEFAULTS = {"LlamaForCausalLM": (5, 4, 8), "Grok1ForCausalLM": (5, 4, 8), "Grok1VForCausalLM": (5, 4, 8)}
 OTHER_ARCH_DEFAULT = (3, 1, 4)
@@ -95,9 +95,8 @@ def launch_command(target_path: str, draft_path: str, effect: SpecEffect, tp_siz
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(target_path),
             "--host", host, "--port", str(port), "--tp-size", str(tp_size)]
     if speculative:
-        argv += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_path),
-                 "--speculative-num-steps", str(effect.num_steps), "--speculative-eagle-topk", str(effect.topk),
-                 "--speculative-num-draft-tokens", str(effect.num_draft_tokens)]
+        flags = speculative_args(effect.num_steps, effect.topk, effect.num_draft_tokens)
+        argv += flags[:2] + ["--speculative-draft-model-path", str(draft_path)] + flags[2:]
     environment = {k: str(v) for k, v in (env or {}).items()}
     if cpu:
         argv += server_cpu_args()
@@ -117,6 +116,23 @@ def target_architecture(target_path: str | Path) -> str:
     return archs[0]
 
 
+def drafting_to_serve(cfg) -> tuple[int | None, int | None, int | None]:
+    """(num_steps, topk, num_draft_tokens): the ones given, else those the run's report was
+    evaluated with (else the evaluate config): what is served is what was evaluated."""
+    s = cfg.serve
+    if any(v is not None for v in (s.num_steps, s.topk, s.num_draft_tokens)):
+        return s.num_steps, s.topk, s.num_draft_tokens
+    report = RunLayout.of(cfg).stage_dir("evaluate") / "report.json"
+    if report.is_file():
+        r = read_json(report)
+        log(f"serve: drafting as evaluated in {report}: num_steps={r['num_steps']} topk={r['topk']} "
+            f"num_draft_tokens={r['num_draft_tokens']}")
+        return r["num_steps"], r["topk"], r["num_draft_tokens"]
+    e = cfg.evaluate
+    log("serve: no report yet; drafting as evaluate is configured")
+    return e.num_steps, e.topk, e.num_draft_tokens or e.num_steps + 1
+
+
 def serve(cfg) -> None:
     from workflows.core.targets import prepare_for
     from workflows.core.wiring import check, raise_on_errors, side_from_sglang_export, sides_for_run
@@ -127,10 +143,11 @@ def serve(cfg) -> None:
     if not (draft / "config.json").is_file():
         raise MissingArtefact(f"{draft}/config.json: no exported draft to serve; run the export stage first "
                               "(stages=[export]) or point serve.draft_path at an export")
-    effect = resolve_spec_args(s.num_steps, s.topk, s.num_draft_tokens, target_architecture(target_path))
+    effect = resolve_spec_args(*drafting_to_serve(cfg), target_architecture(target_path))
     for w in effect.warnings:
         log(f"serve: WARNING {w}")
-    sides = sides_for_run(cfg, target_path) + [side_from_sglang_export(draft, cfg.target.num_layers)]
+    sides = sides_for_run(cfg, target_path) + [
+        side_from_sglang_export(draft, cfg.target.num_layers, cfg.target.model_type)]
     sides[-1].name = f"serving (--speculative-draft-model-path {draft})"
     raise_on_errors(check(sides))
     argv, env = launch_command(str(target_path), str(draft), effect, cfg.target.tp_size, s.host, s.port,

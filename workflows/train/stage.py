@@ -14,6 +14,7 @@ config resumes from the last one (weights, optimizer, step, noise RNG). Outputs 
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -29,7 +30,15 @@ from workflows.core.draft_files import load_draft_weights, save_draft
 from workflows.core.engines import EngineSpec, HFEngine
 from workflows.core.errors import InputError
 from workflows.core.layout import RunLayout
-from workflows.core.markers import atomic_dir, clear_done, config_hash, mark_done, stage_is_done, write_json_atomic
+from workflows.core.markers import (
+    atomic_dir,
+    clear_done,
+    config_hash,
+    mark_done,
+    stage_is_done,
+    write_json_atomic,
+)
+from workflows.core.precision import resolve
 from workflows.core.provenance import draft_provenance, identity_for
 from workflows.train import checkpoint as ckpt
 from workflows.train.store_data import store_batches
@@ -63,6 +72,8 @@ def data_source(cfg: FullConfig, layout: RunLayout) -> str:
 
 
 def run(cfg: FullConfig, target_path: Path) -> Path:
+    # "auto" settles here, on this machine; the key and the loop see the dtype really used.
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compute_dtype=resolve(cfg.train.compute_dtype)))
     layout = RunLayout.of(cfg)
     out = layout.stage_dir("train")
     samples = layout.read_corpus()
@@ -86,8 +97,8 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         log("train: no held-out samples (data.heldout_fraction too small?); evaluating on train data")
         eval_rows = train_rows
 
-    engine = HFEngine(EngineSpec(str(target_path), dtype=cfg.train.capture_dtype, layer_ids=cfg.target.capture_ids,
-                                 trust_remote_code=cfg.target.trust_remote_code))
+    engine = HFEngine(EngineSpec(str(target_path), dtype=resolve(cfg.train.capture_dtype),
+                                 layer_ids=cfg.target.capture_ids, trust_remote_code=cfg.target.trust_remote_code))
     cfg.target.check_against_hf_config(engine.model.config)
     train_groups = make_batches(train_rows, cfg.train.batch_size, cfg.seed)
     eval_groups = make_batches(eval_rows, cfg.train.batch_size, cfg.seed)
