@@ -97,11 +97,12 @@ def check_sglang_servable(ids: Sequence[int], num_layers: int, model_type: str,
             f"captures layer inputs, and a {num_layers}-layer target has no layer {num_layers} whose input it "
             "is; train on a lower layer (e.g. the default ids) for SGLang serving"
         )
-    captured = from_sglang_layer_inputs(sglang_layer_inputs(ids, model_type))
+    inputs = sglang_layer_inputs(ids, model_type)
+    captured = from_sglang_layer_inputs(inputs)
     if captured != ids:
         raise ConfigError(
             f"{field}={ids}: SGLang serves a {model_type} target with the inputs of layers "
-            f"{sglang_layer_inputs(ids, model_type)}, i.e. ids {captured}, not the trained {ids} (for this family "
+            f"{inputs}, i.e. ids {captured}, not the trained {ids} (for this family "
             "it adds 1 only when the first id is 1); choose ids whose first is 1, e.g. the default ids"
         )
 

@@ -286,7 +286,6 @@ def resolve_data_path(path: str) -> Path:
 
 # ----------------------------------------------------------------- Hydra's view of the schema
 
-GROUPS = ("draft", "data", "train", "tracking", "capture", "cluster", "serve", "evaluate")
 _VIEWS: dict[type, type] = {}
 
 
@@ -342,9 +341,10 @@ def register_schema() -> None:
     cs = ConfigStore.instance()
     view = omegaconf_view(FullConfig)
     cs.store(name=SCHEMA_NAME, node=view)
-    hints = typing.get_type_hints(FullConfig)
-    for group in GROUPS:
-        cs.store(group=group, name="default", node=omegaconf_view(hints[group]))
+    # Every section of the schema is a group (the target's options are its presets in conf/).
+    for group, tp in typing.get_type_hints(FullConfig).items():
+        if dataclasses.is_dataclass(tp) and group != "target":
+            cs.store(group=group, name="default", node=omegaconf_view(tp))
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> FullConfig:

@@ -14,8 +14,8 @@ from workflows.core.provenance import redacted
 
 
 def keep_steps_before(file: Path, step: int) -> None:
-    """Drop the records of steps >= `step` (1-based `step + 1` in a record is its step
-    count): a resumed run logs them again, so each step stays in the file once."""
+    """Drop the records of steps `step` and later (a record's `step` is 0-based; a resume
+    from a checkpoint after `step` steps logs them again), so each step stays in the file once."""
     if not file.exists():
         return
     kept = [line for line in file.read_text().splitlines()
