@@ -1,22 +1,40 @@
-"""Store throughput vs raw sequential file I/O of the same bytes, in one run.
+"""Store throughput vs raw file I/O of the same bytes, measured in the same run.
 
-    python -m bench.bench_store [--dir /tmp/x] [--shards 4] [--tokens 4096] [--hidden 1024] [--chunk-mb 1 4 16]
+    python -m bench.bench_store [--dir /tmp/x] [--shards 4] [--tokens 4096] [--hidden 1024]
+                                [--chunk-mb 1] [--repeats 4]
 
 Writes `--shards` capture shards (3 aux + final bf16 states of `--hidden`, plus ids/mask/
-offsets) with storage.HiddenStateStore, and the same arrays' bytes as plain files with
-one sequential write each; then reads both back whole (streaming by shard). Prints MB/s of
-each and the ratios store/raw for every chunk size (aims: >= 0.66 write, >= 0.5 read).
-Both sides go through the page cache (no fsync), as the store does.
+offsets) with storage.HiddenStateStore (write_shard + commit each, compact at the end),
+and the same arrays' bytes as plain files (one sequential write each). Then reads both
+back two ways:
+
+- stream: StoreReader.iter_samples over every shard (whole-shard reads, the trainer's
+  streaming path; every sample dict built) vs reading each raw file whole; with the
+  next shard prefetched in a thread (the default) and without (`stream_noprefetch`:
+  the consumer here does no work, so prefetching can only cost, more so on a busy machine);
+- random: StoreReader.sample() for every sample in a shuffled order vs reading each
+  sample's byte ranges from the raw files (open, seek, read per array).
+
+Reads are timed on a fresh StoreReader built untimed (it reads the manifest only).
+
+Prints MB/s and store/raw ratios (aims: write >= 0.66, stream read >= 0.5) per chunk size,
+best of `--repeats` (reads: 3 tries each per repeat; interleaved, each side first in turn,
+so machine noise and cache state hit both sides alike). Both sides go through the page
+cache (no fsync of the data), as the store does. On a busy machine the ratios move by
++-0.15 from run to run: run it twice.
 """
 from __future__ import annotations
 
 import argparse
+import random
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+ARRAYS = ("input_ids", "loss_mask", "offsets", "aux", "final")
 
 
 def make_shards(n: int, tokens: int, hidden: int, samples_per_shard: int = 16):
@@ -38,43 +56,111 @@ def make_shards(n: int, tokens: int, hidden: int, samples_per_shard: int = 16):
     return out
 
 
-def bench(root: Path, shards, hidden: int, chunk_mb: float) -> dict:
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def with_reader(path: Path, fn):
+    """`fn(reader)` timed on a fresh StoreReader built untimed (a trainer builds one per
+    worker, then reads for hours; building it reads the manifest only)."""
     from storage.reader import StoreReader
+
+    def run():
+        reader = StoreReader(str(path))
+        return timed(lambda: fn(reader))
+    return run
+
+
+def write_store(path: Path, shards, hidden: int, chunk_bytes: int) -> None:
     from storage.store import HiddenStateStore
 
-    total = sum(s.nbytes for s in shards)
-    prov = {"hidden_size": hidden, "capture_layer_ids": [1, 2, 3], "final_is_normed": True,
-            "target": {}}
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    store = HiddenStateStore.create_or_open(str(root / "store"), prov)
-    t = time.perf_counter()
+    prov = {"hidden_size": hidden, "capture_layer_ids": [1, 2, 3], "final_is_normed": True, "target": {}}
+    store = HiddenStateStore.create_or_open(str(path), prov)
     for k, s in enumerate(shards):
-        store.commit([store.write_shard(f"{k:06d}", s, chunk_bytes=int(chunk_mb * (1 << 20)))])
-    store_w = time.perf_counter() - t
+        store.commit([store.write_shard(f"{k:06d}", s, chunk_bytes=chunk_bytes)])
+    store.compact()
 
-    raw = root / "raw"
-    raw.mkdir()
-    t = time.perf_counter()
+
+def write_raw(path: Path, shards) -> None:
+    path.mkdir()
     for k, s in enumerate(shards):
-        for name in ("input_ids", "loss_mask", "offsets", "aux", "final"):
-            with open(raw / f"{k}-{name}", "wb") as f:
+        for name in ARRAYS:
+            with open(path / f"{k}-{name}", "wb") as f:
                 f.write(getattr(s, name).tobytes())
-    raw_w = time.perf_counter() - t
 
-    t = time.perf_counter()
-    n = sum(sum(a.nbytes for k, a in d.items() if k not in ("shard", "sample_ids"))
-            for d in StoreReader(str(root / "store")).iter_shards())
-    store_r = time.perf_counter() - t
-    assert n == total, (n, total)
-    t = time.perf_counter()
-    m = sum(len(p.read_bytes()) for p in sorted(raw.iterdir()))
-    raw_r = time.perf_counter() - t
-    assert m == total
+
+def stream_store(reader, prefetch: bool = True) -> int:
+    n = 0
+    for s in reader.iter_samples(reader.shard_names(), prefetch=prefetch):
+        n += sum(s[k].numel() * s[k].element_size() for k in ("aux", "final")) + 2 * s["input_ids"].numel()
+    return n
+
+
+def stream_raw(path: Path) -> int:
+    return sum(len(p.read_bytes()) for p in sorted(path.iterdir()))
+
+
+def random_store(reader, order: list[str]) -> int:
+    n = 0
+    for sid in order:
+        s = reader.sample(sid)
+        n += s["aux"].numel() * 2
+    return n
+
+
+def random_raw(path: Path, shards, order: list[str]) -> int:
+    where = {sid: (k, i) for k, s in enumerate(shards) for i, sid in enumerate(s.sample_ids)}
+    n = 0
+    for sid in order:
+        k, i = where[sid]
+        off = shards[k].offsets  # the raw side knows its offsets (the store reads them once per shard)
+        a, b = int(off[i]), int(off[i + 1])
+        for name in ("input_ids", "loss_mask", "aux", "final"):
+            row = getattr(shards[k], name)[:1].nbytes
+            with open(path / f"{k}-{name}", "rb") as f:
+                f.seek(a * row)
+                data = f.read((b - a) * row)
+            n += len(data) if name == "aux" else 0
+    return n
+
+
+def bench(root: Path, shards, hidden: int, chunk_mb: float, repeats: int) -> dict:
+    total = sum(s.nbytes for s in shards)
+    order = [sid for s in shards for sid in s.sample_ids]
+    random.Random(0).shuffle(order)
+    best: dict[str, float] = {}
+
+    def keep(key: str, seconds: float) -> None:
+        best[key] = min(best.get(key, float("inf")), seconds)
+
+    for r in range(repeats):
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        store, raw = root / "store", root / "raw"
+        # (what, timed store side, timed raw side): each returns its seconds
+        steps = [("write", lambda: timed(lambda: write_store(store, shards, hidden, int(chunk_mb * (1 << 20)))),
+                  lambda: timed(lambda: write_raw(raw, shards))),
+                 ("stream", with_reader(store, stream_store), lambda: timed(lambda: stream_raw(raw))),
+                 ("stream_noprefetch", with_reader(store, lambda rd: stream_store(rd, prefetch=False)),
+                  lambda: timed(lambda: stream_raw(raw))),
+                 ("random", with_reader(store, lambda rd: random_store(rd, order)),
+                  lambda: timed(lambda: random_raw(raw, shards, order)))]
+        for what, on_store, on_raw in steps:
+            sides = [("store", on_store), ("raw", on_raw)]
+            for k in range(1 if what == "write" else 3):  # reads are cheap: more tries
+                for side, fn in sides if (r + k) % 2 == 0 else sides[::-1]:  # each side first in turn
+                    keep(f"{side}_{what}", fn())
+    assert stream_raw(raw) == total
     mb = total / 1e6
-    return {"chunk_mb": chunk_mb, "MB": round(mb, 1), "store_write_MBps": round(mb / store_w), "raw_write_MBps": round(mb / raw_w),
-            "write_ratio": round(raw_w / store_w, 3), "store_read_MBps": round(mb / store_r),
-            "raw_read_MBps": round(mb / raw_r), "read_ratio": round(raw_r / store_r, 3)}
+    out = {"chunk_mb": chunk_mb, "MB": round(mb, 1)}
+    for what in ("write", "stream", "stream_noprefetch", "random"):
+        store_s, raw_s = best[f"store_{what}"], best[f"raw_{what}"]
+        out[f"{what}_store_MBps"] = round(mb / store_s)
+        out[f"{what}_raw_MBps"] = round(mb / raw_s)
+        out[f"{what}_ratio"] = round(raw_s / store_s, 3)
+    return out
 
 
 def main() -> None:
@@ -83,13 +169,15 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--chunk-mb", type=float, nargs="+", default=[0.25, 1, 4, 16])
+    ap.add_argument("--chunk-mb", type=float, nargs="+", default=[1])
+    ap.add_argument("--repeats", type=int, default=4)
     args = ap.parse_args()
     shards = make_shards(args.shards, args.tokens, args.hidden)
     base = Path(args.dir or tempfile.mkdtemp(prefix="bench_store_"))
     try:
+        bench(base / "warmup", make_shards(1, 64, 8), 8, 1, 1)  # imports and first-call costs, untimed
         for chunk_mb in args.chunk_mb:
-            print(bench(base / f"c{chunk_mb}", shards, args.hidden, chunk_mb), flush=True)
+            print(bench(base / f"c{chunk_mb}", shards, args.hidden, chunk_mb, args.repeats), flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

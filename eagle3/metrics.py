@@ -11,6 +11,9 @@ target's greedy choice. With k draft tokens per target pass:
 * **per-position average**: mean of 1 + leading correct over *every* row. It counts rows
   the decoder never starts a chain at, and overestimates (2.14 on the same draft). It is
   reported for comparison, never as the prediction.
+
+A packed row holds several samples (`segment_ids`, see eagle3.ttt): each is walked as its
+own sequence, so a walk never continues into the next sample.
 """
 from __future__ import annotations
 
@@ -112,10 +115,12 @@ def acceptance_one(correct: torch.Tensor, loss_mask: torch.Tensor, length: int, 
     lead = leading_correct(correct, k).tolist()
     acc = Acceptance(k=k)
     mask = loss_mask[:length]
-    # Per-position average: every row whose first guess (x_{t+2}) is scored.
+    # Per-position average: every row whose first guess (x_{t+2}) is scored. Guesses past
+    # the end of the sample (x_{t+2+j}, t+2+j >= length) have no label: they are not counted,
+    # so the figure does not depend on what follows the sample (padding or a packed sample).
     for t in range(max(0, length - 2)):
         if mask[t + 2]:
-            acc.position_sum += 1 + lead[t]
+            acc.position_sum += 1 + min(lead[t], length - 2 - t)
             acc.positions += 1
     for s, e in assistant_spans(mask):
         p = max(s, 1)  # x_p is the target's own token; the chain starts at row p-1
@@ -131,10 +136,28 @@ def acceptance_one(correct: torch.Tensor, loss_mask: torch.Tensor, length: int, 
     return acc
 
 
-def acceptance(correct: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor, k: int) -> Acceptance:
-    """Batch version: correct [B, T, L], masks [B, T]."""
+def segment_runs(segment_ids: list[int]) -> list[tuple[int, int]]:
+    """Maximal runs [s, e) of one segment id >= 0 in a row (padding, -1, is skipped)."""
+    runs, start = [], 0
+    for i in range(1, len(segment_ids) + 1):
+        if i == len(segment_ids) or segment_ids[i] != segment_ids[start]:
+            if segment_ids[start] >= 0:
+                runs.append((start, i))
+            start = i
+    return runs
+
+
+def acceptance(correct: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor, k: int,
+               segment_ids: torch.Tensor | None = None) -> Acceptance:
+    """Batch version: correct [B, T, L], masks [B, T]; `segment_ids` [B, T] for packed rows
+    (each sample walked on its own), else one sample per row of attention_mask's length."""
     total = Acceptance(k=k)
-    lengths = attention_mask.long().sum(-1).tolist()
-    for b, n in enumerate(lengths):
-        total = total.merge(acceptance_one(correct[b].cpu(), loss_mask[b].cpu(), n, k))
+    correct, loss_mask = correct.cpu(), loss_mask.cpu()  # one transfer, then per-row walks
+    if segment_ids is None:
+        runs = [[(0, n)] for n in attention_mask.long().sum(-1).tolist()]
+    else:
+        runs = [segment_runs(row) for row in segment_ids.tolist()]
+    for b, row_runs in enumerate(runs):
+        for s, e in row_runs:
+            total = total.merge(acceptance_one(correct[b, s:e], loss_mask[b, s:e], e - s, k))
     return total

@@ -74,9 +74,11 @@ class Attention(nn.Module):
         cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_theta)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # Grouped-query attention: query head h reads key/value head h // group (HF order).
-        group = c.num_attention_heads // c.num_key_value_heads
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
+        # States that group heads themselves (flex) get k/v as they are, saving the copies.
+        if not getattr(state, "native_gqa", False):
+            group = c.num_attention_heads // c.num_key_value_heads
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
         out = state.attend(q, k, v)  # [B, heads, T, head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -147,6 +149,9 @@ class Eagle3Draft(nn.Module):
         self.t2d.copy_(t2d)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids of draft ids, on the buffers' device (a CPU index, e.g. an arange, would
+        otherwise be added to a CUDA gather and fail)."""
+        draft_ids = draft_ids.to(self.d2t.device)
         return draft_ids + self.d2t[draft_ids]
 
     def target_ids(self) -> torch.Tensor:

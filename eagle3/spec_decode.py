@@ -15,6 +15,23 @@ Chain drafting is tree drafting with `topk=1`, so one code path serves both:
 * **Commit**. Every verified row t feeds the draft (token x_{t+1}, fused target states of
   row t), as in training: draft rows always hold target states, never draft guesses.
 
+`Eagle3Drafter(draft, sglang_compatible=True)` drafts trees (topk > 1) the way SGLang
+0.5.23 does, which differs from the exact tree mask above in one respect: the draft's
+attention over the *draft* tokens of the round. SGLang gives each of the `topk` frontier
+ranks its own strip of KV slots (`out_cache_loc` viewed as [batch, topk, num_steps]), and
+a node fed at step s with frontier rank r attends to the committed rows plus the slots of
+rank r at steps 0..s, i.e. to the nodes that held rank r in the earlier frontiers, not to
+its true ancestors (`generate_draft_decode_kv_indices` in
+sglang/kernels/ops/speculative/cache_locs.py; ranks are the order of `select_top_k_tokens`,
+best cumulative score first). Its hidden-state input is still its true parent's output
+(`hidden_states[topk_cs_index // topk]`), and verification uses the true tree, so decoding
+stays lossless; only the draft tokens, hence acceptance, can change. The depth-1 nodes are
+fed first, with no draft slot before them, so the depth-2 candidates are the same in both
+modes; a depth-2 node may then attend to its rank-mate instead of its parent, so from depth
+3 on (num_steps >= 3) they can differ. Chains (topk = 1) are identical: rank 0 is the chain.
+Read from SGLang 0.5.23's source (the version pinned here); its paged branch
+(page_size > 1) also gives each rank its own slots.
+
 Layer ids follow `eagle3.layer_ids` (id i = output of decoder layer i, -1 = embeddings),
 captured by forward hooks. Batch size 1; this is a yardstick, not a server.
 """
@@ -84,8 +101,11 @@ class TreeKVCache(KVCache):
 class Eagle3Drafter:
     """Drafting with an `eagle3.modeling.Eagle3Draft` and its own KV cache."""
 
-    def __init__(self, draft):
+    def __init__(self, draft, sglang_compatible: bool = False):
         self.draft = draft.eval()
+        # True: the draft's attention over this round's draft tokens follows SGLang's frontier
+        # ranks rather than the true ancestors (see the module docstring). Same for chains.
+        self.sglang_compatible = sglang_compatible
         self.reset()
 
     def reset(self) -> None:
@@ -119,6 +139,7 @@ class Eagle3Drafter:
             tokens.append(tok), parents.append(-1), depths.append(1), scores.append(lp)
         parent_hidden = {i: self.last_hidden[0, 0] for i in frontier}
         cache_row: dict[int, int] = {}  # candidate -> its key row in the draft cache
+        rank_rows: list[list[int]] = []  # per earlier step: the cache row of each frontier rank
         for _ in range(1, num_steps):
             past = len(self.cache)
             block = len(frontier)
@@ -126,10 +147,15 @@ class Eagle3Drafter:
             mask[:, : self.rows] = True
             for r, c in enumerate(frontier):
                 mask[r, past + r] = True
-                a = parents[c]
+                if self.sglang_compatible:  # rank r sees the rank-r node of every earlier step
+                    for rows in rank_rows:
+                        mask[r, rows[r]] = True
+                    continue
+                a = parents[c]  # exact: the node's true ancestors
                 while a != -1:
                     mask[r, cache_row[a]] = True
                     a = parents[a]
+            rank_rows.append(list(range(past, past + block)))
             self.cache.full_mask = mask
             ids_t = torch.tensor([[tokens[c] for c in frontier]], device=self.last_hidden.device)
             hid = torch.stack([parent_hidden[c] for c in frontier])[None]

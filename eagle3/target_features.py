@@ -4,8 +4,13 @@ Forward hooks on the decoder layers return each layer's raw output (the residual
 so id N-1 is the last layer's output *before* the final norm, exactly what SGLang returns
 for it. `final` is HF's last `hidden_states` entry: *after* the final norm, like SGLang's
 returned hidden state; the target head then needs only the lm_head (`final_is_normed`).
+
+Batches from per-sample states: `collate_samples` (one sample per row, right padding) and
+`pack_samples` (several samples per row, with `position_ids` and `segment_ids`, see eagle3.ttt).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -86,12 +91,103 @@ def pad_right(sequences: list[list[int]], masks: list[list[int]], pad_id: int = 
             pad_stack([torch.ones(len(s), dtype=torch.bool) for s in sequences], False))
 
 
+def padded_layout(attention_mask: torch.Tensor) -> dict:
+    """position_ids / segment_ids of a padded batch (one sample per row, see eagle3.ttt)."""
+    b, t = attention_mask.shape
+    positions = torch.arange(t, device=attention_mask.device).expand(b, t).contiguous()
+    return {"position_ids": positions, "segment_ids": attention_mask.bool().long() - 1}
+
+
 def collate_samples(samples, pad_id: int = 0) -> dict:
     """A training batch from per-sample dicts (input_ids, loss_mask [T], aux, final [T, .]),
-    e.g. read from the hidden-state store: states keep their dtype."""
+    e.g. read from the hidden-state store: states keep their dtype. One sample per row."""
     ids, loss, attn = pad_right([s["input_ids"] for s in samples], [s["loss_mask"] for s in samples], pad_id)
-    return {"input_ids": ids, "loss_mask": loss, "attention_mask": attn,
+    return {"input_ids": ids, "loss_mask": loss, "attention_mask": attn, **padded_layout(attn),
             "aux": pad_stack([s["aux"] for s in samples]), "final": pad_stack([s["final"] for s in samples])}
+
+
+@dataclass
+class Packing:
+    """What `pack_samples` made: the batches, and which samples went where."""
+
+    batches: list[dict]
+    rows: list[list[int]]  # per packed row, the indices of its samples, in order
+    truncated: int  # samples cut to max_seq_len (their tail is not trained on)
+    tokens: int  # real tokens in all rows
+    slots: int  # B x T summed over batches (real tokens + padding)
+
+    @property
+    def pad_fraction(self) -> float:
+        return 1 - self.tokens / self.slots if self.slots else 0.0
+
+
+def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Greedy first fit in the given order: each item goes to the first row (oldest first)
+    with room, else to a new row. Deterministic; O(n log n) with a max tree over the rows'
+    free room, where rows not yet opened count as empty (capacity free)."""
+    if any(n > capacity for n in lengths):
+        raise ValueError(f"an item is longer than the capacity {capacity}")
+    size = 1
+    while size < max(1, len(lengths)):
+        size *= 2
+    free = [capacity] * (2 * size)  # free[size + r]: room left in row r; parents hold maxima
+    rows: list[list[int]] = []
+    for i, n in enumerate(lengths):
+        node = 1
+        while node < size:  # descend to the leftmost row with room >= n
+            node = 2 * node if free[2 * node] >= n else 2 * node + 1
+        r = node - size
+        if r == len(rows):
+            rows.append([])
+        rows[r].append(i)
+        free[node] -= n
+        node //= 2
+        while node:
+            free[node] = max(free[2 * node], free[2 * node + 1])
+            node //= 2
+    return rows
+
+
+def pack_samples(samples, max_seq_len: int, pad_id: int = 0, rows_per_batch: int = 1) -> Packing:
+    """Pack per-sample dicts (as `collate_samples` takes) into rows of at most `max_seq_len`
+    tokens, greedy first fit in the given order; `rows_per_batch` rows make a batch, padded
+    to its longest row. Each sample keeps its own positions (0..n-1) and a segment id (its
+    rank in the row), so attention and the TTT shifts stay inside it (eagle3.ttt). A sample
+    longer than max_seq_len is truncated to it and counted in `Packing.truncated`."""
+    if max_seq_len < 1 or rows_per_batch < 1:
+        raise ValueError(f"max_seq_len={max_seq_len} and rows_per_batch={rows_per_batch} must be >= 1")
+    cut = [{key: s[key][:max_seq_len] for key in ("input_ids", "loss_mask", "aux", "final")} for s in samples]
+    truncated = sum(len(s["input_ids"]) > max_seq_len for s in samples)
+    rows = first_fit([len(s["input_ids"]) for s in cut], max_seq_len)
+    batches, tokens, slots = [], 0, 0
+    for start in range(0, len(rows), rows_per_batch):
+        group = rows[start : start + rows_per_batch]
+        packed = []
+        for members in group:
+            parts = [cut[i] for i in members]
+            ids = torch.cat([torch.as_tensor(p["input_ids"], dtype=torch.long) for p in parts])
+            packed.append({
+                "input_ids": ids,
+                "loss_mask": torch.cat([torch.as_tensor(p["loss_mask"], dtype=torch.long) for p in parts]),
+                "aux": torch.cat([p["aux"] for p in parts]),
+                "final": torch.cat([p["final"] for p in parts]),
+                "position_ids": torch.cat([torch.arange(len(p["input_ids"]), device=ids.device) for p in parts]),
+                "segment_ids": torch.cat([torch.full((len(p["input_ids"]),), r, dtype=torch.long, device=ids.device)
+                                          for r, p in enumerate(parts)]),
+            })
+        batch = {
+            "input_ids": pad_stack([p["input_ids"] for p in packed], pad_id),
+            "loss_mask": pad_stack([p["loss_mask"] for p in packed], 0),
+            "aux": pad_stack([p["aux"] for p in packed]),
+            "final": pad_stack([p["final"] for p in packed]),
+            "position_ids": pad_stack([p["position_ids"] for p in packed], 0),
+            "segment_ids": pad_stack([p["segment_ids"] for p in packed], -1),
+        }
+        batch["attention_mask"] = batch["segment_ids"] >= 0
+        tokens += int(batch["attention_mask"].sum())
+        slots += batch["attention_mask"].numel()
+        batches.append(batch)
+    return Packing(batches=batches, rows=rows, truncated=truncated, tokens=tokens, slots=slots)
 
 
 def capture_batch(model, sequences, masks, layer_ids, pad_id: int = 0, dtype=None, device=None) -> dict:
@@ -101,4 +197,5 @@ def capture_batch(model, sequences, masks, layer_ids, pad_id: int = 0, dtype=Non
     aux, final = capture_states(model, ids, attn.long(), layer_ids)
     if dtype is not None:
         aux, final = aux.to(dtype), final.to(dtype)
-    return {"input_ids": ids, "loss_mask": loss, "attention_mask": attn, "aux": aux, "final": final}
+    return {"input_ids": ids, "loss_mask": loss, "attention_mask": attn, **padded_layout(attn),
+            "aux": aux, "final": final}

@@ -77,17 +77,22 @@ def make_optimizer(draft: Eagle3Draft, cfg: OptimConfig) -> torch.optim.Optimize
 
 
 def forward_batch(draft, head: TargetHead, batch: dict, ttt: TTTConfig, train: bool, generator=None):
-    """Unroll and score one batch; returns StepScores (loss differentiable when train)."""
+    """Unroll and score one batch; returns StepScores (loss differentiable when train).
+
+    Packed batches (eagle3.target_features.pack_samples) also carry `position_ids` and
+    `segment_ids` [B, T]; a batch without them is one sample per row."""
     aux = batch["aux"]
     if train:
         aux = add_noise(aux, ttt.noise, generator)
     probs, best = head(batch["final"], draft.target_ids())
-    hiddens = unroll(draft, batch["input_ids"], aux, batch["attention_mask"], ttt.length)
-    weights = step_weights(batch["loss_mask"], batch["attention_mask"], ttt.length)
+    segments = batch.get("segment_ids")
+    hiddens = unroll(draft, batch["input_ids"], aux, batch["attention_mask"], ttt.length,
+                     position_ids=batch.get("position_ids"), segment_ids=segments, attention=ttt.attention)
+    weights = step_weights(batch["loss_mask"], batch["attention_mask"], ttt.length, segment_ids=segments)
     return score_steps(draft, hiddens, probs, best, weights, ttt.decay)
 
 
-def _autocast(dtype: str, device: torch.device):
+def autocast_for(dtype: str, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
 
 
@@ -96,7 +101,7 @@ def train_step(draft, head, batch, cfg: LoopConfig, optimizer, step: int, total:
         group["lr"] = lr_at(step, total, cfg.optim)
     draft.train()
     device = batch["input_ids"].device
-    with _autocast(cfg.compute_dtype, device):
+    with autocast_for(cfg.compute_dtype, device):
         scores = forward_batch(draft, head, batch, cfg.ttt, train=True, generator=generator)
     optimizer.zero_grad(set_to_none=True)
     scores.loss.backward()
@@ -118,13 +123,14 @@ def evaluate(draft, head, batches: Iterable[dict], cfg: LoopConfig) -> dict:
     hits = [0.0] * cfg.ttt.length
     counts = [0.0] * cfg.ttt.length
     for batch in batches:
-        with _autocast(cfg.compute_dtype, batch["input_ids"].device):
+        with autocast_for(cfg.compute_dtype, batch["input_ids"].device):
             s = forward_batch(draft, head, batch, cfg.ttt, train=False)
         for j in range(cfg.ttt.length):
             w = s.weights[..., j]
             hits[j] += float((s.correct[..., j].float() * w).sum())
             counts[j] += float(w.sum())
-        acc = acceptance(s.correct, batch["loss_mask"], batch["attention_mask"], cfg.acceptance_k)
+        acc = acceptance(s.correct, batch["loss_mask"], batch["attention_mask"], cfg.acceptance_k,
+                         segment_ids=batch.get("segment_ids"))
         total_acc = acc if total_acc is None else total_acc.merge(acc)
     out = {"step_acc": [h / c if c else float("nan") for h, c in zip(hits, counts)]}
     if total_acc is not None:

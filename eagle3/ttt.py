@@ -11,6 +11,13 @@ This is what inference does: after the target verified up to x_{t+1} (x_{t+1} be
 target's own "bonus" token), the draft proposes x_{t+2}, then feeds that guess back. The
 tokens are teacher-forced (the text's, not the draft's own guesses); for the leading run
 of correct guesses the two coincide, which is all an acceptance count needs.
+
+Packed rows (several samples in one row, see eagle3.target_features.pack_samples) carry
+`position_ids` (restarting at 0 per sample) and `segment_ids` (0, 1, .. per sample, -1 on
+padding); a padded batch derives them from its attention mask. Positions above read
+`position_ids[t] + j`; attention never crosses a segment; a step whose token x_{t+1+j} or
+label x_{t+2+j} lies in another sample is not scored (its weight is 0). Such a step's own
+output feeds only the later steps of the same row, which are unscored as well.
 """
 from __future__ import annotations
 
@@ -19,9 +26,9 @@ from typing import Literal
 
 import torch
 
-from eagle3.attention import TTTAttention
+from eagle3.attention import ATTENTION_BACKENDS, make_ttt_attention, segments_from_mask
 from eagle3.modeling import Eagle3Draft
-from eagle3.schema import check_ranges
+from eagle3.schema import ConfigError, check_ranges
 
 
 @dataclass
@@ -38,9 +45,14 @@ class TTTConfig:
     length: int = 7
     decay: float = 0.8
     noise: NoiseConfig = field(default_factory=NoiseConfig)
+    # TTT attention: flex (linear memory, compiled; needs CUDA to train, torch has no CPU
+    # flex backward), dense (explicit T x T scores), auto (flex on CUDA, dense elsewhere).
+    attention: Literal["auto", "dense", "flex"] = "auto"
 
     def validate(self, where: str = "ttt") -> None:
         check_ranges(self, where, length=">=1", decay="(0,1]")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ConfigError(f"{where}.attention={self.attention!r} is not one of {list(ATTENTION_BACKENDS)}")
         self.noise.validate(f"{where}.noise")
 
 
@@ -64,11 +76,27 @@ def add_noise(aux: torch.Tensor, cfg: NoiseConfig, generator: torch.Generator | 
     return aux + noise.to(aux.dtype)
 
 
-def unroll(draft: Eagle3Draft, input_ids, aux, attention_mask, length: int) -> list[torch.Tensor]:
-    """The TTT forward: pre-norm draft hidden states of steps 0..length-1, each [B, T, H]."""
-    _, t = input_ids.shape
-    positions = torch.arange(t, device=input_ids.device)[None].expand_as(input_ids)
-    state = TTTAttention(attention_mask)
+def packing_ids(attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
+                segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position_ids, segment_ids) of a batch; a padded batch (neither given) is one sample
+    per row: positions 0..T-1, segment 0 on real tokens and -1 on padding."""
+    if segment_ids is None:
+        segment_ids = segments_from_mask(attention_mask)
+    if position_ids is None:
+        t = attention_mask.shape[1]
+        position_ids = torch.arange(t, device=attention_mask.device)[None].expand(attention_mask.shape[0], t)
+    return position_ids, segment_ids
+
+
+def unroll(draft: Eagle3Draft, input_ids, aux, attention_mask, length: int, *,
+           position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None,
+           attention: str = "auto") -> list[torch.Tensor]:
+    """The TTT forward: pre-norm draft hidden states of steps 0..length-1, each [B, T, H].
+
+    `attention` picks the TTT attention backend (see eagle3.attention.make_ttt_attention)."""
+    positions, segments = packing_ids(attention_mask, position_ids, segment_ids)
+    state = make_ttt_attention(segments.to(input_ids.device), attention)
+    positions = positions.to(input_ids.device)
     hidden = draft.fuse(aux)
     outs = []
     for j in range(length):
@@ -78,19 +106,37 @@ def unroll(draft: Eagle3Draft, input_ids, aux, attention_mask, length: int) -> l
     return outs
 
 
-def step_weights(loss_mask: torch.Tensor, attention_mask: torch.Tensor, length: int) -> torch.Tensor:
-    """[B, T, L] float: 1 where row t's step-j prediction (of x_{t+2+j}) is scored."""
-    m = (loss_mask.bool() & attention_mask.bool()).float()
-    return torch.stack([shift_left(m, 2 + j) for j in range(length)], dim=-1)
+def step_weights(loss_mask: torch.Tensor, attention_mask: torch.Tensor, length: int,
+                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T, L] float: 1 where row t's step-j prediction (of x_{t+2+j}) is scored: that
+    token is real, under the loss mask, and in row t's own sample (segments are contiguous,
+    so x_{t+1+j} then is too)."""
+    m = loss_mask.bool() & attention_mask.bool()
+    if segment_ids is None:
+        segment_ids = segments_from_mask(attention_mask)
+    steps = []
+    for j in range(length):
+        same_sample = shift_left(segment_ids, 2 + j, fill=-1) == segment_ids
+        steps.append(shift_left(m, 2 + j) & same_sample)
+    return torch.stack(steps, dim=-1).float()
 
 
 @dataclass
 class StepScores:
     loss: torch.Tensor  # scalar, decay-weighted sum over steps
-    step_loss: list[float]
-    step_acc: list[float]
+    step_loss_t: torch.Tensor  # [L] per-step mean loss (detached, on the batch's device)
+    step_acc_t: torch.Tensor  # [L] per-step accuracy
     correct: torch.Tensor  # [B, T, L] bool: draft argmax == target argmax
     weights: torch.Tensor  # [B, T, L]
+
+    # Python floats on demand: one device sync when read, none inside the step.
+    @property
+    def step_loss(self) -> list[float]:
+        return self.step_loss_t.tolist()
+
+    @property
+    def step_acc(self) -> list[float]:
+        return self.step_acc_t.tolist()
 
 
 def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
@@ -99,7 +145,10 @@ def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torc
 
 
 def score_steps(draft: Eagle3Draft, hiddens, target_probs, target_argmax, weights, decay: float) -> StepScores:
-    """Loss and accuracy of each unrolled step against the target, as defined above."""
+    """Loss and accuracy of each unrolled step against the target, as defined above.
+
+    The label of row t at step j is read at t+1+j; where that is another sample's (packed
+    rows) or padding, `weights` is 0, so it is never scored."""
     total = 0.0
     step_loss, step_acc, correct = [], [], []
     for j, hidden in enumerate(hiddens):
@@ -112,9 +161,9 @@ def score_steps(draft: Eagle3Draft, hiddens, target_probs, target_argmax, weight
         total = total + (decay**j) * loss_j
         hit = draft.draft_to_target(logits.argmax(-1)) == best
         correct.append(hit)
-        step_loss.append(float(loss_j.detach()))
-        step_acc.append(float((hit.float() * w).sum() / denom))
+        step_loss.append(loss_j.detach())
+        step_acc.append((hit.float() * w).sum() / denom)
     return StepScores(
-        loss=total, step_loss=step_loss, step_acc=step_acc,
+        loss=total, step_loss_t=torch.stack(step_loss), step_acc_t=torch.stack(step_acc),
         correct=torch.stack(correct, dim=-1), weights=weights,
     )

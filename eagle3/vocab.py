@@ -43,9 +43,10 @@ def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int, warn=print) -
     if not 0 < draft_vocab_size <= vocab_size:
         raise ValueError(f"draft_vocab_size={draft_vocab_size} must lie in 1..{vocab_size}")
     counts = counts.long()
+    c = counts.tolist()  # Python ints: per-element tensor indexing is slow at vocab 150k
     # Most frequent first; ties broken by smaller token id, so the choice is deterministic.
-    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))
-    seen = [i for i in order if counts[i] > 0][:draft_vocab_size]
+    order = sorted(range(vocab_size), key=lambda i: (-c[i], i))
+    seen = [i for i in order if c[i] > 0][:draft_vocab_size]
     filled = draft_vocab_size - len(seen)
     chosen = set(seen)
     if filled:
@@ -56,10 +57,11 @@ def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int, warn=print) -
             f"draft vocab: only {len(seen)} distinct tokens were seen for draft_vocab_size="
             f"{draft_vocab_size}; filled {filled} ids deterministically (lowest unused ids)"
         )
-    ids = torch.tensor(sorted(chosen), dtype=torch.long)
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    # On the counts' device, so the mapping lands where it was counted.
+    ids = torch.tensor(sorted(chosen), dtype=torch.long, device=counts.device)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool, device=counts.device)
     t2d[ids] = True
-    d2t = ids - torch.arange(draft_vocab_size)
+    d2t = ids - torch.arange(draft_vocab_size, device=counts.device)
     total = int(counts.sum())
     covered = float(counts[ids].sum()) / total if total else 0.0
     return DraftVocab(d2t=d2t, t2d=t2d, covered_fraction=covered, filled=filled)
@@ -67,5 +69,6 @@ def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int, warn=print) -
 
 def target_to_draft(target_ids: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
     """Draft ids of target ids (-1 where the draft vocab lacks the token)."""
+    target_ids = target_ids.to(t2d.device)  # an index from elsewhere follows the mapping
     rank = torch.cumsum(t2d.long(), 0) - 1
     return torch.where(t2d[target_ids], rank[target_ids], torch.full_like(target_ids, -1))

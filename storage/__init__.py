@@ -5,8 +5,10 @@
         input_ids int32 [T]   loss_mask uint8 [T]   offsets int64 [n+1]
         aux uint16 [T, n_aux*H]  final uint16 [T, H]   (bf16 bit patterns)
         attributes: sample_ids, complete (the writer's marker, set last), stats
-    <store>/manifest.parquet       one row per committed shard (rewritten atomically)
+    <store>/commits/<name>.json    the commit log: one small file per commit (atomic)
+    <store>/manifest.parquet       the log folded by `compact()` (rewritten atomically)
 
-Readers see only shards listed in the manifest.
+Readers see only committed shards (parquet + log). Uncompressed arrays are read and
+written with plain file I/O in Zarr's own layout (storage.zarr_direct); zarr reads them.
 """
 from storage.store import HiddenStateStore, ShardData, StoreError  # noqa: F401

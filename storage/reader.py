@@ -1,66 +1,254 @@
-"""Reading the store: random access by sample (the trainer) and streaming by shard.
+"""Reading the store: random access by sample and streaming by shard (the trainer).
 
 Only shards listed in the manifest are visible. States come back as torch bfloat16
 tensors (their stored bit patterns reinterpreted, never rounded again).
+
+Uncompressed arrays are read with plain file I/O in Zarr's own layout (storage.
+zarr_direct): a whole shard's array in one read, a sample's rows in one ranged read.
+Compressed arrays (or layouts zarr_direct does not handle) go through zarr.
+
+    reader = StoreReader(url)                       # reads the manifest only
+    names = reader.shard_names("train")             # manifest order; split from the name prefix
+    for s in reader.iter_samples(names[rank::world], seed=epoch):   # one worker's part
+        ...                                         # s: id, input_ids, loss_mask, aux, final
 """
 from __future__ import annotations
 
-from functools import lru_cache
+import json
+import zlib
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import numpy as np
 import torch
 
-from storage.store import HiddenStateStore, StoreError
+from storage import zarr_direct
+from storage.store import HiddenStateStore, StoreError, sample_ids_hash, split_of
 from storage.zarr_io import from_bf16_bits
+
+ARRAYS = ("input_ids", "loss_mask", "offsets", "aux", "final")
+
+
+class _ZarrArray:
+    """Zarr's read path, with zarr_direct's interface (compressed or other layouts)."""
+
+    def __init__(self, arr):
+        self.arr = arr
+
+    def whole(self) -> np.ndarray:
+        return self.arr[...]
+
+    def rows(self, a: int, b: int) -> np.ndarray:
+        return self.arr[a:b]
+
+
+class _DirectArray:
+    def __init__(self, fs, lay: zarr_direct.Layout):
+        self.fs, self.lay, self.rows = fs, lay, zarr_direct.RowReader(fs, lay).rows
+
+    def whole(self) -> np.ndarray:
+        return zarr_direct.read_whole(self.fs, self.lay)
 
 
 class StoreReader:
-    def __init__(self, url: str, storage_options: dict | None = None, expect: dict | None = None):
+    """`on_corrupt="error"` (default): a committed shard that is missing or corrupt raises
+    StoreError naming the store, the shard and the problem. `"skip"`: streaming
+    (`iter_shards`, `iter_samples`) passes over it and records it in `skipped`
+    ({shard: problem}); nothing is logged here. `sample()` always raises."""
+
+    def __init__(self, url: str, storage_options: dict | None = None, expect: dict | None = None,
+                 on_corrupt: str = "error"):
+        if on_corrupt not in ("error", "skip"):
+            raise ValueError(f"on_corrupt={on_corrupt!r}: use 'error' or 'skip'")
         self.store = HiddenStateStore.open(url, storage_options, expect=expect)
         self.provenance = self.store.provenance
-        self.shards = self.store.manifest()
-        self.index: dict[str, tuple[str, int]] = {}
-        self._offsets: dict[str, np.ndarray] = {}
-        for row in self.shards:
-            ids = self._group(row["shard"]).attrs["sample_ids"]
-            for k, sid in enumerate(ids):
-                if sid in self.index:
-                    raise StoreError(f"sample {sid!r} is in shards {self.index[sid][0]} and {row['shard']}")
-                self.index[sid] = (row["shard"], k)
+        self.shards = self.store.manifest()  # committed rows, in manifest (shard name) order
+        self._rows = {r["shard"]: r for r in self.shards}
+        self.on_corrupt = on_corrupt
+        self.skipped: dict[str, str] = {}
+        self._index: dict[str, tuple[str, int]] | None = None
+        # sample(): the last 64 shards' array readers and offsets
+        self._open: OrderedDict[str, tuple[dict, np.ndarray]] = OrderedDict()
 
-    @lru_cache(maxsize=None)
-    def _group(self, name: str):
-        return self.store.open_shard(name)
+    # ------------------------------------------------------------------ errors
+    def _error(self, name: str, problem: str) -> StoreError:
+        return StoreError(f"store {self.store.url}: shard {name}: {problem}")
 
-    def _offsets_of(self, name: str) -> np.ndarray:
-        if name not in self._offsets:
-            self._offsets[name] = self._group(name)["offsets"][...]
-        return self._offsets[name]
+    def _row(self, name: str) -> dict:
+        if name not in self._rows:
+            raise StoreError(f"store {self.store.url}: shard {name!r} is not committed (not in the manifest)")
+        return self._rows[name]
+
+    # ------------------------------------------------------------------ random access by sample
+    @property
+    def index(self) -> dict[str, tuple[str, int]]:
+        """sample id -> (shard, position); built on first use from the shards' group metadata
+        (one small JSON read per shard; no array is opened)."""
+        if self._index is None:
+            fs, base = self.store.fs, self.store.path
+            paths = [f"{base}/shards/{r['shard']}/zarr.json" for r in self.shards]
+            blobs = fs.cat(paths, on_error="return") if paths else {}  # concurrent on object stores
+            index: dict[str, tuple[str, int]] = {}
+            for row, path in zip(self.shards, paths):
+                name, blob = row["shard"], blobs.get(path)
+                try:
+                    if not isinstance(blob, bytes):  # the error fs.cat returned for this file
+                        raise blob if isinstance(blob, Exception) else FileNotFoundError(path)
+                    ids = json.loads(blob)["attributes"]["sample_ids"]
+                except Exception as exc:
+                    raise self._error(name, f"group metadata missing or unreadable ({type(exc).__name__}: {exc})")
+                for k, sid in enumerate(ids):
+                    if sid in index:
+                        raise StoreError(f"sample {sid!r} is in shards {index[sid][0]} and {name}")
+                    index[sid] = (name, k)
+            self._index = index
+        return self._index
 
     def __len__(self) -> int:
-        return len(self.index)
+        return sum(int(r["n_samples"]) for r in self.shards)
 
     @property
     def sample_ids(self) -> list[str]:
         return list(self.index)
+
+    def _arrays(self, name: str) -> dict:
+        """The shard's five arrays: zarr_direct readers where the layout allows, else zarr's."""
+        fs, group_path = self.store.fs, f"{self.store.path}/shards/{name}"
+        arrays, group = {}, None
+        for key in ARRAYS:
+            try:
+                meta = zarr_direct.read_json(fs, f"{group_path}/{key}/zarr.json")
+            except FileNotFoundError:
+                raise self._error(name, f"array {key} is missing (no {key}/zarr.json)") from None
+            except (OSError, ValueError) as exc:
+                raise self._error(name, f"array {key} metadata is unreadable ({exc})") from None
+            lay = zarr_direct.layout_of(f"{group_path}/{key}", meta)
+            if lay is not None:
+                arrays[key] = _DirectArray(fs, lay)
+            else:
+                if group is None:
+                    group = self.store.open_shard(name)
+                arrays[key] = _ZarrArray(group[key])
+        return arrays
 
     def sample(self, sample_id: str) -> dict:
         """One sample: input_ids/loss_mask int64 [T], aux bf16 [T, n*H], final bf16 [T, H]."""
         if sample_id not in self.index:
             raise KeyError(f"sample {sample_id!r} is not in a committed shard of {self.store.url}")
         name, k = self.index[sample_id]
-        g, off = self._group(name), self._offsets_of(name)
-        a, b = int(off[k]), int(off[k + 1])
+        try:
+            if name not in self._open:
+                arrays = self._arrays(name)
+                self._open[name] = (arrays, arrays["offsets"].whole())
+                if len(self._open) > 64:
+                    self._open.popitem(last=False)
+            self._open.move_to_end(name)
+            arrays, off = self._open[name]
+            a, b = int(off[k]), int(off[k + 1])
+            got = {key: arrays[key].rows(a, b) for key in ("input_ids", "loss_mask", "aux", "final")}
+        except StoreError:
+            raise
+        except Exception as exc:  # missing or truncated file, codec error, bad offsets
+            raise self._error(name, f"sample {sample_id!r} unreadable: {type(exc).__name__}: {exc}") from None
         return {"id": sample_id,
-                "input_ids": torch.from_numpy(g["input_ids"][a:b].astype(np.int64)),
-                "loss_mask": torch.from_numpy(g["loss_mask"][a:b].astype(np.int64)),
-                "aux": from_bf16_bits(g["aux"][a:b]), "final": from_bf16_bits(g["final"][a:b])}
+                "input_ids": torch.from_numpy(got["input_ids"].astype(np.int64)),
+                "loss_mask": torch.from_numpy(got["loss_mask"].astype(np.int64)),
+                "aux": from_bf16_bits(got["aux"]), "final": from_bf16_bits(got["final"])}
 
-    def iter_shards(self) -> Iterator[dict]:
-        """Whole shards in manifest order: numpy arrays plus sample_ids (bf16 still as bits)."""
-        for row in self.shards:
-            g = self._group(row["shard"])
-            yield {"shard": row["shard"], "sample_ids": list(g.attrs["sample_ids"]),
-                   **{k: g[k][...] for k in ("input_ids", "loss_mask", "offsets", "aux", "final")}}
+    # ------------------------------------------------------------------ streaming by shard
+    def shard_names(self, split: str | None = None) -> list[str]:
+        """Committed shards in manifest order; of one split (`"train"`, `"heldout"`: the row's
+        `split`, else the name's prefix) or all of them (None or "all"). Shards of stores
+        written before splits were named have no split: only None/"all" lists them."""
+        if split in (None, "all"):
+            return [r["shard"] for r in self.shards]
+        return [r["shard"] for r in self.shards if split_of(r) == split]
 
+    def read_shard(self, name: str) -> dict:
+        """One committed shard whole and checked: numpy arrays (bf16 still as uint16 bits) plus
+        `shard` and `sample_ids`. Raises StoreError naming the store, shard and problem."""
+        row = self._row(name)
+        prov = self.provenance
+        try:
+            attrs = self.store.shard_attrs(name)
+        except FileNotFoundError:
+            raise self._error(name, "the shard group is missing (no zarr.json; deleted?)") from None
+        except (OSError, ValueError) as exc:
+            raise self._error(name, f"the shard group metadata is unreadable ({exc})") from None
+        if not attrs.get("complete"):
+            raise self._error(name, "committed but its writer never marked it complete")
+        ids = list(attrs.get("sample_ids") or [])
+        if sample_ids_hash(ids) != row["sample_ids_sha256"]:
+            raise self._error(name, "its sample ids differ from the manifest's hash")
+        try:
+            out = {key: arr.whole() for key, arr in self._arrays(name).items()}
+        except StoreError:
+            raise
+        except Exception as exc:  # missing/truncated file, bad index, codec error
+            raise self._error(name, f"unreadable: {exc}") from None
+        t, n, h = int(row["n_tokens"]), len(ids), prov["hidden_size"]
+        expected = {"input_ids": (t,), "loss_mask": (t,), "offsets": (n + 1,),
+                    "aux": (t, len(prov["capture_layer_ids"]) * h), "final": (t, h)}
+        for key, shape in expected.items():
+            if out[key].shape != shape:
+                raise self._error(name, f"{key} shape {out[key].shape} != {shape} (manifest: {n} samples, {t} tokens)")
+        off = out["offsets"]
+        if off[0] != 0 or off[-1] != t or np.any(np.diff(off) <= 0):
+            raise self._error(name, f"offsets {off.tolist()[:8]}... do not split {t} tokens into {n} non-empty samples")
+        return {"shard": name, "sample_ids": ids, **out}
+
+    def _stream(self, names: list[str], prefetch: bool) -> Iterator[dict]:
+        """Checked shards in order; corrupt ones per `on_corrupt`. With `prefetch` the next
+        shard is read in the background while the caller works on this one: two shards in
+        memory (plus what the caller keeps)."""
+        for name in names:
+            self._row(name)  # an unknown name fails before anything is read
+        if not prefetch:
+            for name in names:
+                shard = self._read_or_skip(name)
+                if shard is not None:
+                    yield shard
+                del shard
+            return
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-prefetch") as pool:
+            pending = pool.submit(self._read_or_skip, names[0]) if names else None
+            for k in range(len(names)):
+                shard = pending.result()  # the previous shard was dropped before this
+                pending = pool.submit(self._read_or_skip, names[k + 1]) if k + 1 < len(names) else None
+                if shard is not None:
+                    yield shard
+                del shard
+
+    def _read_or_skip(self, name: str) -> dict | None:
+        try:
+            return self.read_shard(name)
+        except StoreError as exc:
+            if self.on_corrupt == "error":
+                raise
+            self.skipped[name] = str(exc)
+            return None
+
+    def iter_shards(self, shard_names: list[str] | None = None, prefetch: bool = True) -> Iterator[dict]:
+        """Whole checked shards (see `read_shard`), in the given order or manifest order."""
+        return self._stream(self.shard_names() if shard_names is None else list(shard_names), prefetch)
+
+    def iter_samples(self, shard_names: list[str], seed: int | None = None, prefetch: bool = True) -> Iterator[dict]:
+        """The samples of the named shards, as `sample()` gives them, one shard read at a time
+        (whole, checked; the next prefetched): in shard order and sample order within a shard,
+        or with `seed` (an int >= 0) shuffled within each shard, the same way for a given
+        (seed, shard) whichever worker reads it. The tensors are views into the shard's
+        buffers: copy (or collate) samples you keep past the shard."""
+        for shard in self._stream(list(shard_names), prefetch):
+            ids, off = shard["sample_ids"], shard["offsets"]
+            input_ids = torch.from_numpy(shard["input_ids"].astype(np.int64))
+            loss_mask = torch.from_numpy(shard["loss_mask"].astype(np.int64))
+            aux, final = from_bf16_bits(shard["aux"]), from_bf16_bits(shard["final"])
+            order = range(len(ids))
+            if seed is not None:
+                order = np.random.default_rng([seed, zlib.crc32(shard["shard"].encode())]).permutation(len(ids))
+            for k in order:
+                a, b = int(off[k]), int(off[k + 1])
+                yield {"id": ids[k], "input_ids": input_ids[a:b], "loss_mask": loss_mask[a:b],
+                       "aux": aux[a:b], "final": final[a:b]}
+            del shard, input_ids, loss_mask, aux, final  # before the stream reads ahead again

@@ -7,10 +7,11 @@ from typing import Any
 
 import numpy as np
 
-# Chunk size of the big state arrays, by bench/bench_store.py on the 2-core dev machine
-# (4 shards x 4096 tokens, H 1024): write MB/s store/raw 0.36 at 0.25 MB chunks, 0.67 at
-# 1 MB, 0.55 at 4 MB, 0.47 at 16 MB; whole-shard reads ran at ~400 MB/s for every size.
-# Random access by sample reads whole chunks, so the smallest good size wins: 1 MB.
+# Chunk size of the big state arrays. Uncompressed shards are written and streamed with one
+# file operation per array whatever the chunk size (storage.zarr_direct; bench/bench_store.py
+# on the 2-core dev machine: store/raw ~0.7 write, ~0.5-0.6 stream at 0.25, 1 and 16 MB);
+# it matters to zarr's own readers (compressed stores, other tools), which read whole
+# chunks by sample: the smallest good size, 1 MB.
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 
@@ -40,16 +41,19 @@ def join(url: str, *parts: str) -> str:
     return "/".join([url.rstrip("/"), *parts])
 
 
-def write_bytes_atomic(fs, path: str, data: bytes) -> None:
-    """Local: temp file + rename. Object stores: a single PUT is already atomic."""
+def write_bytes_atomic(fs, path: str, data: bytes, fsync: bool = True) -> None:
+    """Local: temp file (fsync'd unless `fsync=False`: then readers still never see a
+    partial file, but a power loss may lose it) + rename. Object stores: a single PUT is
+    already atomic."""
     from fsspec.implementations.local import LocalFileSystem
 
     if isinstance(fs, LocalFileSystem):
         tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     else:
         fs.pipe_file(path, data)

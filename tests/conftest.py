@@ -26,3 +26,12 @@ def tiny_target(tmp_path_factory):
     # EAGLE3_TEST_CACHE reuses a prepared tiny target across sessions (local iteration only).
     cache = Path(os.environ["EAGLE3_TEST_CACHE"]) if os.environ.get("EAGLE3_TEST_CACHE") else tmp_path_factory.mktemp("cache")
     return prepare_target(spec, cache / "targets", log=lambda _m: None)
+
+
+@pytest.fixture
+def device():
+    """CUDA when there is one, else the CPU: tests marked `gpu` run everywhere (CI runs
+    every test and may have no GPU), on the real device where there is one."""
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

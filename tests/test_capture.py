@@ -54,24 +54,35 @@ def run_dir_with_corpus(corpus, tmp_path) -> Path:
 def test_capture_is_bit_exact_and_resumes_after_a_crash(tiny_target, corpus, tmp_path, ray_local):
     run_dir = run_dir_with_corpus(corpus, tmp_path)
     samples = corpus_rows(run_dir)
-    # The actor dies before its 4th shard: 3 shards are written, the run fails.
-    with pytest.raises(Exception, match="simulated crash"):
+    n_shards = len(capture.plan_shards(samples, 3)[0])
+    # Every shard after the 3rd fails (twice: once, then its retry): 3 are committed, the
+    # others are reported and the stage ends with an error naming them.
+    with pytest.raises(RuntimeError, match=f"{n_shards - 3} shard\\(s\\) failed twice.*simulated crash"):
         capture.run(cfg_for(tiny_target, run_dir, "capture.fail_after_shards=3"), tiny_target)
+    failed = json.loads((run_dir / "capture" / "summary.json").read_text())["failed_shards"]
+    assert len(failed) == n_shards - 3 and all("simulated crash" in f["error"] for f in failed)
     partial = StoreReader(str(run_dir / "store"))
-    assert len(partial) < len(samples)
+    assert len(partial.shards) == 3 and len(partial) < len(samples)
     assert not (run_dir / "capture" / "DONE.json").exists()
     written = sorted(p.name for p in (run_dir / "store" / "shards").iterdir() if p.is_dir())
-    assert len(written) == 3
-    # Make one of them half-written (its writer killed before the marker): it must be redone.
+    assert written == sorted(r["shard"] for r in partial.shards)  # the failed ones left nothing behind
+    assert not {f["shard"] for f in failed} & set(written)
+    # A driver killed before committing: the manifest and commit log are lost, the 3 shards
+    # stay complete; and one of them is half-written (its writer killed before the marker).
     import zarr
     from storage.zarr_io import zarr_store
-    committed = {r["shard"] for r in partial.shards}
-    victim = [w for w in written if w not in committed][-1]
+    (run_dir / "store" / "manifest.parquet").unlink()
+    shutil.rmtree(run_dir / "store" / "commits", ignore_errors=True)
+    victim = written[-1]
     zarr.open_group(zarr_store(str(run_dir / "store" / "shards" / victim)), mode="r+").attrs["complete"] = False
     capture.run(cfg_for(tiny_target, run_dir), tiny_target)
     summary = json.loads((run_dir / "capture" / "summary.json").read_text())
-    assert summary["verify_ok"] and summary["samples"] == len(samples) and summary["shards"] == 4
-    assert summary["adopted_shards"] == 2 - len(committed) and summary["new_shards"] == 2
+    # 12 samples, 3 per shard, train and held-out in separate shards.
+    assert n_shards == sum(-(-sum(r["split"] == s for r in samples) // 3) for s in ("train", "heldout"))
+    assert summary["verify_ok"] and summary["samples"] == len(samples) and summary["shards"] == n_shards
+    # The 3 written before: 2 adopted (complete, never committed), the victim redone.
+    assert summary["adopted_shards"] == 2 and summary["new_shards"] == n_shards - 2
+    assert summary["failed_shards"] == []
     reader = StoreReader(str(run_dir / "store"))
     assert sorted(reader.sample_ids) == sorted(r["id"] for r in samples)  # every sample exactly once
     assert verify(str(run_dir / "store"))["ok"]
@@ -95,6 +106,84 @@ def test_capture_is_bit_exact_and_resumes_after_a_crash(tiny_target, corpus, tmp
     assert capture.run(cfg_for(tiny_target, run_dir), tiny_target) == run_dir / "capture"
 
 
+def test_failing_shards_are_reported_and_only_they_rerun(tiny_target, corpus, tmp_path, ray_local):
+    run_dir = run_dir_with_corpus(corpus, tmp_path)
+    plans = capture.plan_shards(corpus_rows(run_dir), 3)[0]
+    bad = sorted([plans[1].name, plans[-1].name])  # a train shard and a held-out one
+    assert bad[0].startswith("heldout-") and bad[1].startswith("train-")
+    fault = "capture.fail_shards=[" + ",".join(f"'{n}'" for n in bad) + "]"
+    with pytest.raises(RuntimeError, match=r"2 shard\(s\) failed twice: \['heldout-.*', 'train-.*'\].*simulated "
+                                           "failure of shard"):
+        capture.run(cfg_for(tiny_target, run_dir, fault), tiny_target)
+    summary = json.loads((run_dir / "capture" / "summary.json").read_text())
+    assert sorted(f["shard"] for f in summary["failed_shards"]) == bad and summary["verify_ok"] is None
+    assert summary["new_shards"] == len(plans) - 2 and summary["shards"] == len(plans) - 2
+    good = {r["shard"] for r in StoreReader(str(run_dir / "store")).shards}
+    assert good == {p.name for p in plans} - set(bad) and not (run_dir / "capture" / "DONE.json").exists()
+    stamps = {n: (run_dir / "store" / "shards" / n / "zarr.json").stat().st_mtime_ns for n in good}
+    # Without the fault, a rerun captures exactly the two and leaves the others alone.
+    capture.run(cfg_for(tiny_target, run_dir), tiny_target)
+    summary = json.loads((run_dir / "capture" / "summary.json").read_text())
+    assert summary["new_shards"] == 2 and summary["adopted_shards"] == 0 and summary["failed_shards"] == []
+    assert summary["verify_ok"] and summary["shards"] == len(plans)
+    assert stamps == {n: (run_dir / "store" / "shards" / n / "zarr.json").stat().st_mtime_ns for n in good}
+    assert sorted(StoreReader(str(run_dir / "store")).sample_ids) == sorted(r["id"] for r in corpus_rows(run_dir))
+
+
+def test_an_actor_killed_mid_batch_is_restarted_and_its_shards_rewritten(tiny_target, corpus, tmp_path, ray_local):
+    run_dir = run_dir_with_corpus(corpus, tmp_path)
+    plans = capture.plan_shards(corpus_rows(run_dir), 3)[0]
+    # The first call gets shards 0 and 1: shard 0 is written (never committed), then the
+    # process exits at shard 1. Ray restarts the actor and reruns the call.
+    capture.run(cfg_for(tiny_target, run_dir, f"capture.die_in_shards=['{plans[1].name}']"), tiny_target)
+    dead = (run_dir / "capture" / f"died-in-{plans[1].name}").read_text()
+    summary = json.loads((run_dir / "capture" / "summary.json").read_text())
+    assert summary["verify_ok"] and summary["shards"] == summary["new_shards"] == len(plans)
+    assert summary["failed_shards"] == [] and dead not in summary["per_actor"]  # a new process did them all
+    assert sum(a["shards"] for a in summary["per_actor"].values()) == len(plans)
+    assert sorted(StoreReader(str(run_dir / "store")).sample_ids) == sorted(r["id"] for r in corpus_rows(run_dir))
+
+
+def test_a_failing_shard_is_retried_once_in_place_then_reported():
+    """capture_and_write with retries=1: the bad shard is tried twice, after the others, and
+    comes back as an error row; a shard that fails once then succeeds is written."""
+    from workflows.capture.writer import ShardPlan, capture_and_write
+
+    class Engine:
+        def states(self, seqs):
+            return [(torch.ones(len(s), 6), torch.ones(len(s), 2)) for s in seqs]
+
+    class Store:
+        def __init__(self):
+            self.written, self.removed = [], []
+
+        def write_shard(self, name, data, chunk_bytes, compression):
+            if name == "flaky" and "flaky" not in self.removed:  # the first write dies
+                raise OSError("disk hiccup")
+            self.written.append(name)
+            return {"shard": name, "n_tokens": len(data.input_ids)}
+
+        def remove_shard(self, name):
+            self.removed.append(name)
+
+    attempts = []
+
+    def before(plan):
+        attempts.append(plan.name)
+        if plan.name == "bad":
+            raise RuntimeError("always")
+
+    plans = [ShardPlan(n, [n], [[1, 2, 3]], [[0, 1, 1]]) for n in ("a", "bad", "flaky", "b")]
+    store = Store()
+    rows = capture_and_write(Engine(), store, plans, 1 << 20, before_shard=before, retries=1)
+    assert attempts == ["a", "bad", "flaky", "b", "bad", "flaky"]
+    assert [r["shard"] for r in rows] == ["a", "b", "bad", "flaky"] and store.written == ["a", "b", "flaky"]
+    assert rows[2]["error"] == "RuntimeError: always" and rows[2]["n_tokens"] == 0
+    assert [r["error"] for r in rows if r["shard"] != "bad"] == [None] * 3 and store.removed == ["bad", "bad", "flaky"]
+    with pytest.raises(RuntimeError, match="always"):  # retries=None: the first error propagates
+        capture_and_write(Engine(), Store(), plans, 1 << 20, before_shard=before)
+
+
 def test_store_refuses_a_contradicting_config(tiny_target, corpus, tmp_path, ray_local):
     run_dir = run_dir_with_corpus(corpus, tmp_path)
     capture.run(cfg_for(tiny_target, run_dir), tiny_target)
@@ -106,42 +195,52 @@ def test_store_refuses_a_contradicting_config(tiny_target, corpus, tmp_path, ray
 
 def test_train_reads_the_same_batches_from_the_store(tiny_target, corpus, tmp_path, ray_local):
     from eagle3.target_features import capture_batch
-    from workflows.core.provenance import identity_for
+    from workflows.core.layout import RunLayout
+    from workflows.core.provenance import capture_contract, identity_for
     from workflows.core.targets import load_target
-    from workflows.train.stage import make_batches
-    from workflows.train.store_data import store_batches
+    from workflows.train.data import eval_batches
 
     run_dir = run_dir_with_corpus(corpus, tmp_path)
     cfg = cfg_for(tiny_target, run_dir)
     capture.run(cfg, tiny_target)
-    groups = make_batches(corpus_rows(run_dir), 4, seed=0)
     identity = identity_for(cfg, tiny_target)
-    [batches] = store_batches(cfg, identity, [groups], pad_id=0)
+    reader = RunLayout.of(cfg).open_store(expect=capture_contract(cfg, identity))
+    rows = {r["id"]: r for r in corpus_rows(run_dir)}
+    # Shards are per split, named by it, and hold exactly the corpus's samples of that split.
+    for split in ("train", "heldout"):
+        names = reader.shard_names(split)
+        assert names and all(n.startswith(split + "-") for n in names)
+        ids = [sid for n in names for sid in reader.store.shard_attrs(n)["sample_ids"]]
+        assert sorted(ids) == sorted(i for i, r in rows.items() if r["split"] == split)
     model, _ = load_target(tiny_target, dtype="float32")
-    for group, got in zip(groups, batches):
+    names = reader.shard_names("train")
+    order = [sid for n in names for sid in reader.store.shard_attrs(n)["sample_ids"]]
+    for k, got in enumerate(eval_batches(reader, names, batch_size=4, max_seq_len=4096, pad_id=0)):
+        group = [rows[sid] for sid in order[4 * k : 4 * k + 4]]
         want = capture_batch(model, [r["input_ids"] for r in group], [r["loss_mask"] for r in group], [0, 2, 4])
         assert set(got) == set(want) and got["aux"].dtype == torch.bfloat16
-        for k in ("input_ids", "loss_mask", "attention_mask"):
-            assert torch.equal(got[k], want[k]), k
+        for key in ("input_ids", "loss_mask", "attention_mask", "position_ids", "segment_ids"):
+            assert torch.equal(got[key], want[key]), key
         m = want["attention_mask"]
         torch.testing.assert_close(got["aux"][m].float(), want["aux"][m].to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2)
         torch.testing.assert_close(got["final"][m].float(), want["final"][m].to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2)
+    layout = RunLayout.of(cfg)
     with pytest.raises(ProvenanceMismatch, match="'hidden_size'"):
-        store_batches(cfg_for(tiny_target, run_dir, "target.hidden_size=96"), identity, [groups], 0)
+        layout.open_store(expect=capture_contract(cfg_for(tiny_target, run_dir, "target.hidden_size=96"), identity))
     # The train side checks as much as capture does: the engine's dtype, backend, weights.
     with pytest.raises(ProvenanceMismatch, match="'engine_dtype'"):
-        store_batches(cfg_for(tiny_target, run_dir, "capture.dtype=bfloat16"), identity, [groups], 0)
+        layout.open_store(expect=capture_contract(cfg_for(tiny_target, run_dir, "capture.dtype=bfloat16"), identity))
     with pytest.raises(ProvenanceMismatch, match="'target_weights_sha256'"):
-        store_batches(cfg, {**identity, "weights_sha256": "other"}, [groups], 0)
+        layout.open_store(expect=capture_contract(cfg, {**identity, "weights_sha256": "other"}))
 
 
 def test_bad_inputs_are_refused_or_counted(tiny_target, tmp_path):
     with pytest.raises(ConfigError, match=r"target.capture_layer_ids\[2\]=7 is out of range"):
         cfg_for(tiny_target, tmp_path, "target.capture_layer_ids=[0,2,7]")
-    plans, skipped = capture.plan_shards(
+    plans, skipped, _ = capture.plan_shards(
         [{"id": "a", "input_ids": [1, 2], "loss_mask": [0, 1]}, {"id": "e", "input_ids": [], "loss_mask": []},
          {"id": "b", "input_ids": [3], "loss_mask": [1]}], shard_samples=4)
-    assert skipped == {"empty_sample": 1} and plans[0].sample_ids == ["a", "b"]
+    assert skipped == {"empty_sample": 1} and plans[0].sample_ids == ["a", "b"] and plans[0].n_tokens == 3
     with pytest.raises(InputError, match="row 0 \\(id 'x'\\): field input_ids has 2 tokens but loss_mask 1"):
         capture.plan_shards([{"id": "x", "input_ids": [1, 2], "loss_mask": [1]}], shard_samples=4)
 
@@ -155,6 +254,34 @@ def test_estimate_and_space_refusal(tiny_target, tmp_path, capsys):
     with pytest.raises(ConfigError, match="capture.store=.*needs ~5046.71 GB.*capture.ignore_space=true"):
         capture.check_space(str(tmp_path / "store"), est["projected_bytes"], ignore=False)
     assert capture.check_space(str(tmp_path / "store"), est["projected_bytes"], ignore=True)["free_bytes"] > 0
+
+
+def test_estimate_projects_wall_time_shards_manifest_and_driver_memory(tiny_target, tmp_path, capsys):
+    kimi = compose(["target=kimi_k25_int4", "capture.estimate_capture_tokens_per_s=5000", "capture.actors=8",
+                    "capture.estimate_generate_tokens_per_s=2000", "data.num_engines=8", "capture.shard_samples=64",
+                    "data.shard_size=32"])
+    corpus = {"samples": 88_000, "tokens": 88_000_000, "answer_tokens": 44_000_000}
+    p = capture.projection(kimi, 88_000_000, corpus, measured_tps=None)
+    assert p["shards"] == 1375 + 1 and p["manifest_bytes"] == 1376 * capture.MANIFEST_ROW_BYTES
+    assert p["driver_bytes"] == 1376 * capture.DRIVER_BYTES_PER_SHARD + 32 * 1000 * capture.PY_BYTES_PER_TOKEN
+    assert p["capture_hours"] == round(88e6 / (5000 * 8) / 3600, 2) == 0.61
+    assert p["capture_tokens_per_s_from"] == "config"
+    assert p["generate_answer_tokens"] == 44_000_000 and p["generate_hours"] == 0.76
+    # Without a configured rate, the last capture's measured per-actor rate; without either, unknown.
+    plain = compose(["target=kimi_k25_int4", "capture.shard_samples=64"])
+    measured = capture.projection(plain, 88_000_000, corpus, measured_tps=4000.0)
+    assert measured["capture_hours"] == round(88e6 / 4000 / 3600, 2) and measured["generate_hours"] is None
+    assert measured["capture_tokens_per_s_from"] == "capture/summary.json"
+    # The command: no corpus here, so tokens come from capture.estimate_tokens.
+    cfg = compose(["target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={tmp_path}",
+                   "capture.estimate_only=true", "capture.estimate_tokens=1000000"])
+    capture.capture_main(cfg)
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["tokens"] == 1_000_000 and printed["projection"]["capture_hours"] is None
+    assert printed["projection"]["tokens_per_sample_from"].startswith("data.max_length")
+    with pytest.raises(ConfigError, match="set capture.estimate_tokens"):
+        capture.capture_main(compose(["target=tiny", f"cache_dir={tiny_target.parent.parent}",
+                                      f"run_dir={tmp_path}", "capture.estimate_only=true"]))
 
 
 @pytest.mark.slow

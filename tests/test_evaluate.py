@@ -50,7 +50,8 @@ def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target,
     from workflows import full
 
     cfg = tiny_cfg(tiny_target, tmp_path / "run", "train.steps=60", "evaluate.max_prompts=4",
-                   "evaluate.max_new_tokens=20", "evaluate.num_steps=3", "train.acceptance_k=3")
+                   "evaluate.max_new_tokens=20", "evaluate.num_steps=3", "train.acceptance_k=3",
+                   "train.backend=local")
     assert cfg.stages[-2:] == ["export", "evaluate"]
     logs = []
     monkeypatch.setattr(full, "log", logs.append)
@@ -86,6 +87,7 @@ def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target,
     # report scores the new trained draft, never the stale export.
     retrained = tiny_cfg(tiny_target, tmp_path / "run", "train.steps=30", "evaluate.max_prompts=4",
                          "evaluate.max_new_tokens=20", "evaluate.num_steps=3", "train.acceptance_k=3",
+                   "train.backend=local",
                          "stages=[train,evaluate]")
     full.run(retrained)
     report = json.loads((tmp_path / "run" / "report" / "report.json").read_text())

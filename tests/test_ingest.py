@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections import Counter
 
 import fsspec
 import pyarrow as pa
@@ -179,3 +180,124 @@ def test_mixture_configs():
     # Datasets are entries of a mapping, which Hydra lets grow: the strict load refuses the key.
     with pytest.raises(ConfigError, match=r"mixture.bundled: unknown key\(s\) \['wieght'\]"):
         compose("+mixture.bundled.wieght=2")
+
+
+# ----------------------------------------------------------------------------- byte-order mark
+
+BOM = b"\xef\xbb\xbf"
+
+
+@pytest.mark.parametrize("name, body", [
+    ("bom.json", json.dumps([{"prompt": "first"}, {"prompt": "second"}]).encode()),
+    ("bom.jsonl", b'{"prompt": "first"}\n{"prompt": "second"}\n'),
+    ("bom.jsonl.gz", gzip.compress(b'{"prompt": "first"}\r\n{"prompt": "second"}\r\n')),
+])
+def test_utf8_bom_at_start_is_accepted(tmp_path, name, body):
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(BOM + gzip.decompress(body)) if name.endswith(".gz") else BOM + body)
+    rows, counts = ingest_file(path)
+    assert [r["messages"][0]["content"] for r in rows] == ["first", "second"]  # no U+FEFF left in the text
+    assert counts["records"] == 2 and counts["conversations"] == 2
+
+
+def test_bom_keeps_error_locations(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(BOM + b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    # offsets are in file bytes: without the BOM correction this would say column 13
+    with pytest.raises(ingest.IngestError, match=r"bad.jsonl:2: not UTF-8 \(byte 0xe9 at column 16\)"):
+        ingest_file(path)
+    path.write_bytes(BOM + b'{"prompt": "ok"}\n{"prompt": \n')
+    with pytest.raises(ingest.IngestError, match=r"bad.jsonl:2: malformed JSON"):
+        ingest_file(path)
+    path.write_bytes(b'{"prompt": "ok"}\n' + BOM + b'{"prompt": "mid-file"}\n')  # only the file's start
+    with pytest.raises(ingest.IngestError, match=r"bad.jsonl:2: malformed JSON"):
+        ingest_file(path)
+
+
+# ----------------------------------------------------------------------------- content parts
+
+def parts_record(*user_parts, answer="Sure."):
+    return {"messages": [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                         {"role": "user", "content": list(user_parts)},
+                         {"role": "assistant", "content": answer}]}
+
+
+def test_openai_content_parts_joined_and_non_text_parts_counted(tmp_path):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    records = [parts_record({"type": "text", "text": "Describe"}, image, {"type": "input_text", "text": "this."}),
+               parts_record({"type": "text", "text": "Two pictures:"}, image, image, audio),
+               {"messages": [{"role": "system", "content": "Be brief."},  # the first prompt, as strings:
+                             {"role": "user", "content": "Describe this."}]},  # a duplicate
+               parts_record(image)]  # no text at all: the record is skipped, its part not counted
+    path = tmp_path / "parts.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    logs = []
+    rows, counts = ingest.ingest_dataset("d", str(path), "openai", "auto", None, 1.0, "auto", 0.1, set(),
+                                         log=logs.append)
+    assert [m["content"] for m in rows[0]["messages"]] == ["Be brief.", "Describe this.", "Sure."]
+    assert rows[1]["messages"][1]["content"] == "Two pictures:"
+    assert counts["skipped_non_text_part"] == 1 + 3  # parts, from the two kept conversations
+    assert counts["skipped_duplicate"] == 1 and counts["skipped_missing_role_or_content"] == 1
+    assert counts["records"] == 4 and counts["conversations"] == 2
+    assert f"ingest d: skipped 4 content part(s) for non_text_part, first at {path}:1" in logs
+    assert any(f"for missing_role_or_content, first at {path}:4 turn 1: no text part" in m for m in logs)
+
+
+@pytest.mark.parametrize("content", [[], [{"type": "text"}], [{"type": "text", "text": 3}], ["a bare string"]])
+def test_bad_content_parts_are_counted_skips(tmp_path, content):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"messages": [{"role": "user", "content": content}]}))
+    rows, counts = ingest_file(path)
+    assert len(rows) == 1 and counts["skipped_missing_role_or_content"] == 1
+
+
+def test_content_parts_only_in_openai_format(tmp_path):
+    path = tmp_path / "sg.jsonl"
+    path.write_text(json.dumps({"conversations": [{"from": "human", "value": [{"type": "text", "text": "hi"}]}]})
+                    + "\n" + json.dumps({"prompt": "fine"}))
+    rows, counts = ingest_file(path)
+    assert len(rows) == 1 and counts["skipped_missing_role_or_content"] == 1
+
+
+def test_accounting_table_shows_non_text_parts():
+    from workflows.generate import stage
+
+    table = stage.accounting({"vision": Counter(records=3, conversations=2, skipped_non_text_part=5)}, {})
+    assert table["vision"]["skipped_non_text_part"] == 5
+    assert "non_text_part=5" in stage.format_accounting(table).splitlines()[1]
+
+
+# ----------------------------------------------------------------------------- empty dataset
+
+def test_dataset_with_no_conversation_is_an_error_naming_it(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [{"prompt": " "}, {"prompt": ""},
+                                                       {"messages": [{"role": "user", "content": "a"},
+                                                                     {"role": "user", "content": "b"}]}]))
+    cfg = compose("mixture=bundled", "+dataset@mixture.mine=sharegpt", f"mixture.mine.path={path}",
+                  "mixture.mine.format=auto", f"cache_dir={tmp_path}")
+    from workflows.generate import stage
+
+    with pytest.raises(ingest.IngestError) as err:
+        stage.ingest_mixture(cfg)
+    assert str(err.value) == (f"dataset 'mine' ({path}) yields no conversation: 3 record(s) read, "
+                              "skipped: empty_prompt=2, non_alternating_roles=1")
+    path.write_text("\n\n")
+    with pytest.raises(ingest.IngestError, match=r"dataset 'mine' \(.*empty.jsonl\) yields no conversation: "
+                                                 r"0 record\(s\) read, skipped: none \(the file holds no record\)"):
+        stage.ingest_mixture(cfg)
+    # The same prompts as the bundled dataset: all duplicates is an empty dataset too.
+    rows, _ = stage.ingest_mixture(compose("mixture=bundled", f"cache_dir={tmp_path}"))
+    path.write_text("\n".join(json.dumps({"messages": r["messages"]}) for r in rows))
+    with pytest.raises(ingest.IngestError, match=rf"dataset 'mine' .* {len(rows)} record\(s\) read, "
+                                                 rf"skipped: duplicate={len(rows)}$"):
+        stage.ingest_mixture(cfg)
+
+
+def test_require_conversations_lists_few_files():
+    counts = Counter(records=4, skipped_weight_sampled_out=4, conversations=0)
+    with pytest.raises(ingest.IngestError, match=r"dataset 'g' \(a, b, c and 2 more\) yields no conversation: "
+                                                 r"4 record\(s\) read, skipped: weight_sampled_out=4"):
+        ingest.require_conversations("g", ["a", "b", "c", "d", "e"], counts)
+    ingest.require_conversations("g", ["a"], Counter(records=1, conversations=1))  # fine: no error

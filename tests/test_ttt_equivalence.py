@@ -35,8 +35,12 @@ def stepwise_reference(draft, input_ids, aux, length, steps):
     return outs
 
 
+# Both TTT attention backends against inference itself (flex runs eagerly on the CPU;
+# tests/test_attention_scale.py compares their gradients).
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("backend", ["dense", "flex"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_unroll_equals_kv_cache_decoding(seed):
+def test_unroll_equals_kv_cache_decoding(seed, backend):
     cfg = tiny_draft_config()
     draft = random_draft(cfg, seed=seed)
     g = torch.Generator().manual_seed(seed)
@@ -49,7 +53,7 @@ def test_unroll_equals_kv_cache_decoding(seed):
         mask[i, :n] = True
         input_ids[i, n:] = 0
     with torch.no_grad():
-        ttt = unroll(draft, input_ids, aux, mask, steps)
+        ttt = unroll(draft, input_ids, aux, mask, steps, attention=backend)
         for i, n in enumerate(lengths):
             ref = stepwise_reference(draft, input_ids[i], aux[i], n, steps)
             for j in range(steps):
@@ -58,13 +62,15 @@ def test_unroll_equals_kv_cache_decoding(seed):
                 torch.testing.assert_close(ttt[j][i, :n], ref[j][:n], rtol=1e-9, atol=1e-9)
 
 
-def test_unroll_with_gqa_and_one_kv_head():
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("backend", ["dense", "flex"])
+def test_unroll_with_gqa_and_one_kv_head(backend):
     cfg = tiny_draft_config(num_attention_heads=4, num_key_value_heads=1)
     draft = random_draft(cfg, seed=5)
     input_ids = torch.randint(0, cfg.vocab_size, (1, 9))
     aux = torch.randn(1, 9, cfg.num_aux * cfg.target_hidden_size, dtype=torch.float64)
     with torch.no_grad():
-        ttt = unroll(draft, input_ids, aux, torch.ones(1, 9, dtype=torch.bool), 4)
+        ttt = unroll(draft, input_ids, aux, torch.ones(1, 9, dtype=torch.bool), 4, attention=backend)
         ref = stepwise_reference(draft, input_ids[0], aux[0], 9, 4)
     for j in range(4):
         torch.testing.assert_close(ttt[j][0], ref[j], rtol=1e-9, atol=1e-9)

@@ -165,5 +165,7 @@ def test_walk_hand_example_and_average_overestimates():
     # p=1: gain 3 -> p=4: gain 3 -> p=7: remaining 1 -> gain 1. 7 tokens in 3 passes.
     assert (acc.tokens, acc.passes) == (7, 3)
     assert acc.walk == pytest.approx(7 / 3)
-    assert acc.per_position_average == pytest.approx(3.0)  # > walk: counts every row
+    # > walk: counts every row. Rows 0..5 count 1 + 2; row 6's second guess would be x_9,
+    # past the text, so it counts 1 + 1.
+    assert acc.per_position_average == pytest.approx(20 / 7)
     assert acc.per_slot_rate == [1.0, 1.0, 0.0]

@@ -8,6 +8,12 @@ For the same held-out answers and the same k draft tokens per target pass:
   exported draft on the answers' prompts, checked token for token against plain greedy
   decoding (`lossless`), timed against it (`speedup_decoded`).
 
+When the evaluated drafting is a tree (`evaluate.topk > 1`), it is decoded a second time
+with SGLang's draft attention (`Eagle3Drafter(sglang_compatible=True)`: from depth 3 on a
+draft token attends to the frontier rank's KV slots, not its ancestors; see
+`eagle3.spec_decode`), reported under `sglang_draft_attention`: the figure to compare with
+SGLang's served accept length.
+
 `parity_ratio = acceptance_offline / acceptance_decoded`; 1.0 means the offline figure
 predicts decoding. Each answer is cut to `evaluate.max_new_tokens` on both sides, and
 the target and draft run in `evaluate.dtype` on both sides, so a gap means the draft
@@ -76,8 +82,10 @@ def offline_acceptance(draft, head, groups, batches, k: int) -> tuple[Acceptance
     return total, per_row
 
 
-def decode_all(model, draft, rows, capture_ids, num_steps, topk, num_draft_tokens, eos) -> dict:
-    decoder = SpeculativeDecoder(model, Eagle3Drafter(draft), capture_ids, num_steps, topk, num_draft_tokens, eos)
+def decode_all(model, draft, rows, capture_ids, num_steps, topk, num_draft_tokens, eos,
+               sglang_compatible: bool = False) -> dict:
+    decoder = SpeculativeDecoder(model, Eagle3Drafter(draft, sglang_compatible), capture_ids, num_steps, topk,
+                                 num_draft_tokens, eos)
     gained = forwards = 0
     slots = SlotCounts.zeros(num_steps)
     spec_s = plain_s = 0.0
@@ -191,6 +199,11 @@ def markdown(r: dict, plots: list[str]) -> str:
         f"| tokens/s plain / speculative | {r['tokens_per_s_plain']:.1f} / {r['tokens_per_s_decoded']:.1f} |",
         f"| speed-up of the reference decoder | {r['speedup_decoded']:.2f} |",
     ]
+    if "sglang_draft_attention" in r:
+        s = r["sglang_draft_attention"]
+        lines.append(f"| acceptance decoded with SGLang's tree-draft attention (frontier-rank KV slots): tokens per "
+                     f"pass / SGLang's definition / lossless | {s['acceptance_decoded']:.3f} / "
+                     f"{s['acceptance_decoded_sglang_definition']:.3f} / {s['lossless']} |")
     if "acceptance_decoded_tree" in r:
         lines.append(f"| tree (topk={r['tree_topk']}, num_draft_tokens={r['tree_num_draft_tokens']}): acceptance / "
                      f"speed-up / lossless | {r['acceptance_decoded_tree']:.3f} / {r['speedup_decoded_tree']:.2f} / "
@@ -259,6 +272,11 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     }
     if served.exists():
         report["served_benchmark"] = read_json(served)
+    if e.topk > 1:  # the served tree, drafted as SGLang drafts it (differs from depth 3 on)
+        sg = decode_all(model, draft, rows, ids, k, e.topk, e.num_draft_tokens, eos, sglang_compatible=True)
+        report["sglang_draft_attention"] = {
+            "acceptance_decoded": sg["acceptance"], "acceptance_decoded_sglang_definition": sg["acceptance_sglang"],
+            "lossless": sg["lossless"], "per_position_acceptance": sg["per_position_acceptance"]}
     if e.tree_topk > 1:
         tree = decode_all(model, draft, rows, ids, k, e.tree_topk, e.tree_num_draft_tokens, eos)
         report.update({"tree_topk": e.tree_topk, "tree_num_draft_tokens": e.tree_num_draft_tokens,

@@ -7,6 +7,11 @@ last one stopped. The only module that knows every stage.
     python -m workflows.full                                   # embedded default (SmolLM2, CPU)
     python -m workflows.full target=tiny train.steps=50        # fast smoke run
     python -m workflows.full stages=[train] train.steps=400    # retrain only
+    python -m workflows.full -m train.ttt.length=3,7           # two jobs, one corpus and store
+
+With `shared_dir` (on under multirun and W&B sweeps) the corpus, store and vocabulary are
+shared between runs (see workflows.core.layout): each shared stage runs under its lock,
+so a job that needs one another job is building waits, then reuses it.
 """
 from __future__ import annotations
 
@@ -30,6 +35,9 @@ STAGE_RUNS = {"generate": generate, "capture": capture, "vocab": vocab.run, "tra
 def run(cfg: FullConfig) -> dict:
     """Every stage of `cfg.stages`, in pipeline order (the caller holds the run-folder lock)."""
     log(f"run_dir={cfg.run_path} target={cfg.target.name} stages={cfg.stages}")
+    layout = RunLayout.of(cfg)
+    for stage, folder in layout.shared.items():
+        log(f"shared {stage}: {folder}")
     if cfg.capture.estimate_only:  # a size projection needs no target and runs nothing
         capture_main(cfg)
         return {}
@@ -39,7 +47,8 @@ def run(cfg: FullConfig) -> dict:
     for stage, stage_run in STAGE_RUNS.items():
         if stage in cfg.stages:
             started = time.perf_counter()
-            outputs[stage] = stage_run(cfg, target_path)
+            with layout.shared_stage_lock(stage):
+                outputs[stage] = stage_run(cfg, target_path)
             seconds[stage] = round(time.perf_counter() - started, 1)
     log("stage wall times (s): " + json.dumps(seconds))
     log("done: " + ", ".join(f"{k} -> {v}" for k, v in outputs.items()))

@@ -4,30 +4,37 @@
     python -m workflows.capture target=kimi_k25_int4 capture.estimate_only=true \
         capture.estimate_tokens=88000000                               # size only, no target
 
-Ray Data feeds shard plans (whole groups of samples, fixed by the corpus) to an actor pool
-of capture engines (`capture.actors` actors, `capture.cpus_per_actor` / `gpus_per_actor`
-each). Each actor writes complete shards (see workflows.capture.writer); the driver commits
-each returned shard to the manifest. A rerun skips committed shards, commits shards whose
-writer finished but were never committed, and rewrites half-written ones. The store is then
-verified; the stage is marked done only when `verify` is clean.
+The driver plans the corpus one generate shard at a time into `capture/plan.parquet`: shard
+refs (name, sample ids, and where each sample is in the generate shards), no tokens. Ray
+Data reads the refs still to do and feeds them to an actor pool of capture engines
+(`capture.actors` actors, `capture.cpus_per_actor` / `gpus_per_actor` each). Each actor
+reads its samples, writes complete shards (see workflows.capture.writer) and returns one
+small row per shard; the driver commits each to the manifest's log. A shard that fails is
+retried once by its actor, then reported: the others finish, the stage ends with an error
+naming the failed shards (also in `capture/summary.json`). A killed actor is restarted and
+its batch rerun (`capture.max_actor_restarts`). A rerun skips committed shards, commits
+shards whose writer finished but were never committed, and rewrites half-written or failed
+ones. The store is then verified; the stage is marked done only when `verify` is clean.
 Output: the store (`capture.store`, default `<run_dir>/store`) and `<run_dir>/capture/`.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import socket
 import time
 from pathlib import Path
+from typing import Callable
 
 from eagle3.layer_ids import validate_capture_ids
 from eagle3.schema import ConfigError
 from storage.store import HiddenStateStore, sample_ids_hash
 from storage.verify import verify
 from storage.zarr_io import is_remote
-from workflows.capture.writer import ShardPlan, capture_and_write
+from workflows.capture.writer import CorpusFiles, ShardRef, capture_and_write
 from workflows.core.cli import log
 from workflows.core.cluster import ensure_ray
 from workflows.core.config import FullConfig
@@ -42,9 +49,11 @@ from workflows.core.markers import (
 )
 from workflows.core.precision import engine_dtype
 from workflows.core.provenance import CAPTURE_CONTRACT, identity_for, store_provenance
+from workflows.core.stage_metrics import StageMetrics
 from workflows.core.targets import check_checkpoint, prepare_for
 
 STATE_BYTES = 2  # bf16
+SPLITS = ("train", "heldout")  # the corpus's splits; capture shard names start with one
 
 
 def bytes_per_token(n_aux: int, hidden_size: int) -> int:
@@ -77,62 +86,116 @@ def check_space(dest: str, needed: int, ignore: bool) -> dict:
     return {"free_bytes": free, "needed_bytes": needed, "enough": needed <= free}
 
 
-def plan_shards(samples: list[dict], shard_samples: int) -> tuple[list[ShardPlan], dict]:
-    """Fixed groups of `shard_samples` samples in corpus order; names carry their ids' hash."""
+class CorpusSamples:
+    """The committed generate shards as a re-iterable stream of samples, one file at a time:
+    id, split, input_ids, loss mask length, and where the sample is (file index, row)."""
+
+    def __init__(self, layout: RunLayout):
+        layout.require_done("generate")
+        self.layout = layout
+        self.files = sorted(int(m.name.split(".")[0]) for m in layout.corpus_shards.glob("*.done.json"))
+
+    def __iter__(self):
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        for f in self.files:
+            t = pq.read_table(self.layout.corpus_shard_file(f), columns=["id", "split", "input_ids", "loss_mask"])
+            ids, splits, tokens = t["id"].to_pylist(), t["split"].to_pylist(), t["input_ids"].to_pylist()
+            mask_lengths = pc.list_value_length(t["loss_mask"]).to_pylist()
+            for r in range(t.num_rows):
+                yield {"id": ids[r], "split": splits[r], "input_ids": tokens[r], "loss_mask_len": mask_lengths[r],
+                       "file": f, "row": r}
+
+
+def plan_shards(samples, shard_samples: int, emit: Callable[[ShardRef], None] | None = None
+                ) -> tuple[list, dict, str]:
+    """Fixed groups of `shard_samples` samples of one split, in corpus order; names carry
+    their ids' hash. `samples` is iterated once per split (a list, or CorpusSamples: one
+    file in memory at a time). Returns (plans, skipped counts, corpus hash); with `emit`,
+    each ShardRef goes to it and `plans` keeps only (name, n_tokens), so the driver holds
+    no per-sample data."""
     skipped = {"empty_sample": 0}
-    kept = []
-    for k, r in enumerate(samples):
-        if len(r["input_ids"]) != len(r["loss_mask"]):
-            raise InputError(f"corpus row {k} (id {r['id']!r}): field input_ids has {len(r['input_ids'])} "
-                             f"tokens but loss_mask {len(r['loss_mask'])}")
-        if not r["input_ids"]:
-            skipped["empty_sample"] += 1
-            continue
-        kept.append(r)
-    plans = []
-    for k in range(0, len(kept), shard_samples):
-        rows = kept[k : k + shard_samples]
-        ids = [str(r["id"]) for r in rows]
-        plans.append(ShardPlan(name=f"{k // shard_samples:06d}-{sample_ids_hash(ids)[:8]}", sample_ids=ids,
-                               input_ids=[list(r["input_ids"]) for r in rows],
-                               loss_mask=[list(r["loss_mask"]) for r in rows]))
-    return plans, skipped
+    plans: list = []
+    h = hashlib.sha256()  # the corpus as captured: ids, lengths and tokens, in plan order
+    # Train and held-out samples go to separate shards named by their split, so that the
+    # trainer streams only its split's shards (and evaluates from the held-out ones).
+    for split in SPLITS:
+        group: list[dict] = []
+        index = 0
 
+        def flush():
+            nonlocal index
+            ids = [str(r["id"]) for r in group]
+            ref = ShardRef(name=f"{split}-{index:06d}-{sample_ids_hash(ids)[:8]}", sample_ids=ids,
+                           files=[r["file"] for r in group], rows=[r["row"] for r in group],
+                           n_tokens=sum(r["n"] for r in group))
+            if emit is None:
+                plans.append(ref)
+            else:
+                emit(ref)
+                plans.append((ref.name, ref.n_tokens))
+            index += 1
+            group.clear()
 
-def corpus_hash(plans: list[ShardPlan]) -> str:
-    h = hashlib.sha256()
-    for p in plans:
-        for sid, ids in zip(p.sample_ids, p.input_ids):
-            h.update(f"{sid}:{len(ids)}:{hash(tuple(ids))}\n".encode())
-    return h.hexdigest()[:16]
+        for k, r in enumerate(samples):
+            n_mask = r["loss_mask_len"] if "loss_mask_len" in r else len(r["loss_mask"])
+            if split == SPLITS[0]:  # checked and counted on the first pass only
+                if len(r["input_ids"]) != n_mask:
+                    raise InputError(f"corpus row {k} (id {r['id']!r}): field input_ids has {len(r['input_ids'])} "
+                                     f"tokens but loss_mask {n_mask}")
+                skipped["empty_sample"] += not r["input_ids"]
+            if not r["input_ids"] or r.get("split", "train") != split:
+                continue
+            h.update(f"{r['id']}:{len(r['input_ids'])}:{hash(tuple(r['input_ids']))}\n".encode())
+            group.append({"id": r["id"], "n": len(r["input_ids"]), "file": r.get("file", -1), "row": r.get("row", -1)})
+            if len(group) == shard_samples:
+                flush()
+        if group:
+            flush()
+    return plans, skipped, h.hexdigest()[:16]
 
 
 class CaptureActor:
     """One capture engine in a Ray actor: each call captures and writes whole shards."""
 
     def __init__(self, store_url: str, storage_options: dict, backend: str, engine: dict, chunk_bytes: int,
-                 compression: str, fail_after_shards: int | None):
+                 compression: str, corpus_folder: str, fail_after_shards: int | None = None,
+                 fail_shards: tuple[str, ...] = (), die_in_shards: tuple[str, ...] = (), fault_dir: str = ""):
         self.engine = engine_class(backend)(EngineSpec(**engine))
         self.store = HiddenStateStore.open(store_url, storage_options)
+        self.corpus = CorpusFiles(corpus_folder)
         self.chunk_bytes, self.compression = chunk_bytes, compression
-        self.fail_after, self.done = fail_after_shards, 0
+        self.fail_after, self.fail_shards, self.started = fail_after_shards, tuple(fail_shards), 0
+        self.die_in_shards, self.fault_dir = tuple(die_in_shards), Path(fault_dir)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.metrics = _metrics()
+
+    def fault(self, ref: ShardRef) -> None:
+        """Fault injection for the failure tests (capture.fail_after_shards, capture.fail_shards)."""
+        if self.die_in_shards and ref.name.startswith(self.die_in_shards):
+            marker = self.fault_dir / f"died-in-{ref.name}"
+            if not marker.exists():  # once per shard: the restarted actor gets through
+                marker.write_text(self.name)
+                os._exit(17)  # the process dies mid-batch, as a killed actor does
+        if self.fail_shards and ref.name.startswith(self.fail_shards):
+            raise RuntimeError(f"capture.fail_shards: simulated failure of shard {ref.name}")
+        if self.fail_after is not None:
+            if self.started >= self.fail_after:
+                raise RuntimeError(f"capture.fail_after_shards={self.fail_after}: simulated crash")
+            self.started += 1
 
     def __call__(self, batch) -> dict:
         import numpy as np
 
-        plans = [ShardPlan(**r) for r in batch.to_pylist()]
-
-        def fault(k):  # fault injection for the resume tests (capture.fail_after_shards)
-            if self.fail_after is not None and self.done + k >= self.fail_after:
-                raise RuntimeError(f"capture.fail_after_shards={self.fail_after}: simulated crash")
-
-        rows = capture_and_write(self.engine, self.store, plans, self.chunk_bytes, self.compression, fault)
-        self.done += len(rows)
+        refs = [ShardRef(**r) for r in batch.to_pylist()]
+        # A failing shard is retried once here, then returned as an error record: the pool
+        # keeps going and the driver reports it at the end. (A dead actor is Ray's to restart.)
+        rows = capture_and_write(self.engine, self.store, refs, self.chunk_bytes, self.compression, self.fault,
+                                 retries=1, load=self.corpus.load)
         for r in rows:
             r["actor"] = self.name
-            if self.metrics:
+            if self.metrics and not r["error"]:
                 tags = {"actor": self.name}
                 self.metrics["tokens"].inc(r["n_tokens"], tags=tags)
                 self.metrics["bytes"].inc(r["nbytes"], tags=tags)
@@ -152,6 +215,93 @@ def _metrics():
         return None
 
 
+PLAN_SCHEMA = (("name", "string"), ("sample_ids", "list<string>"), ("files", "list<int64>"),
+               ("rows", "list<int64>"), ("n_tokens", "int64"))
+
+
+def _plan_schema():
+    import pyarrow as pa
+
+    kinds = {"string": pa.string(), "int64": pa.int64(), "list<string>": pa.list_(pa.string()),
+             "list<int64>": pa.list_(pa.int64())}
+    return pa.schema([(name, kinds[kind]) for name, kind in PLAN_SCHEMA])
+
+
+class PlanFile:
+    """Shard refs streamed into a Parquet file as they are planned, a few hundred at a time."""
+
+    def __init__(self, path: Path, rows_per_group: int = 256):
+        import pyarrow.parquet as pq
+
+        self.path, self.rows_per_group, self.buffer = path, rows_per_group, []
+        self.writer = pq.ParquetWriter(path, _plan_schema())
+
+    def __call__(self, ref: ShardRef) -> None:
+        self.buffer.append(vars(ref))
+        if len(self.buffer) >= self.rows_per_group:
+            self.flush()
+
+    def flush(self) -> None:
+        import pyarrow as pa
+
+        if self.buffer:
+            self.writer.write_table(pa.Table.from_pylist(self.buffer, schema=_plan_schema()))
+            self.buffer = []
+
+    def close(self) -> None:
+        self.flush()
+        self.writer.close()
+
+
+def plan_corpus(layout: RunLayout, shard_samples: int, out: Path) -> tuple[list[tuple[str, int]], dict, str, Path]:
+    """Plan the committed corpus one generate shard at a time: the refs go to
+    `<out>/plan.parquet`; the driver keeps (name, n_tokens) per shard and the corpus hash."""
+    path = out / "plan.parquet"
+    sink = PlanFile(path)
+    try:
+        plans, skipped, corpus_sha = plan_shards(CorpusSamples(layout), shard_samples, emit=sink)
+    finally:
+        sink.close()
+    return plans, skipped, corpus_sha, path
+
+
+def select_plans(plan_file: Path, names: set[str], dest: Path) -> Path:
+    """The refs of `names` only (the shards still to do), as the Parquet file Ray Data reads."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(plan_file)
+    pq.write_table(table.filter(pc.is_in(table["name"], value_set=pa.array(sorted(names), pa.string()))), dest)
+    return dest
+
+
+class Results:
+    """What the driver keeps of the returned rows: per-actor totals and the failed shards."""
+
+    def __init__(self):
+        self.per_actor: dict[str, dict] = {}
+        self.failed: list[dict] = []
+        self.new = 0
+
+    def add(self, row: dict) -> None:
+        if row["error"]:
+            self.failed.append({"shard": row["shard"], "actor": row["actor"], "error": row["error"]})
+            return
+        self.new += 1
+        a = self.per_actor.setdefault(row["actor"], {"shards": 0, "tokens": 0, "bytes": 0, "compute_s": 0.0,
+                                                     "write_s": 0.0})
+        a["shards"] += 1
+        a["tokens"] += int(row["n_tokens"])
+        a["bytes"] += int(row["nbytes"])
+        a["compute_s"] += float(row["compute_seconds"])
+        a["write_s"] += float(row["write_seconds"])
+
+    def per_actor_summary(self) -> dict[str, dict]:
+        return {name: {**a, "tokens_per_s": round(a["tokens"] / max(a["compute_s"], 1e-9), 1)}
+                for name, a in self.per_actor.items()}
+
+
 def run(cfg: FullConfig, target_path: Path) -> Path:
     from tqdm import tqdm
 
@@ -159,10 +309,11 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     c, out, url = cfg.capture, layout.stage_dir("capture"), layout.store_url
     check_checkpoint(cfg.target, Path(target_path))
     validate_capture_ids(cfg.target.capture_ids, cfg.target.num_layers, "target.capture_layer_ids")
-    plans, skipped = plan_shards(layout.read_corpus(), c.shard_samples)
+    out.mkdir(parents=True, exist_ok=True)
+    plans, skipped, corpus_sha, plan_file = plan_corpus(layout, c.shard_samples, out)
     if not plans:
         raise InputError(f"{layout.corpus_shards}: the corpus has no non-empty sample to capture")
-    plan = {"shard_samples": c.shard_samples, "corpus_sha256": corpus_hash(plans)}
+    plan = {"shard_samples": c.shard_samples, "corpus_sha256": corpus_sha}
     prov = store_provenance(cfg, identity_for(cfg, target_path), plan, engine_class(c.backend).version())
     key = {**{k: v for k, v in prov.items() if k != "code_version"}, "store": url, **layout.chain("generate")}
     if stage_is_done(out, key):
@@ -171,35 +322,36 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     clear_done(out)
     store = HiddenStateStore.create_or_open(url, prov, c.storage_options, checked=(*CAPTURE_CONTRACT, "plan"))
     committed = store.committed()
-    adopted = [row for p in plans if p.name not in committed and (row := store.completed_row(p.name))]
+    adopted = [row for name, _ in plans if name not in committed and (row := store.completed_row(name))]
     if adopted:  # writers finished, the driver died before committing them
         store.commit(adopted)
         committed = store.committed()
-    pending = [p for p in plans if p.name not in committed]
-    for p in pending:
-        store.remove_shard(p.name)  # half-written leftovers of a killed writer
-    size = estimate(cfg, sum(p.n_tokens for p in pending))
+    pending = [(name, n) for name, n in plans if name not in committed]
+    for name, _ in pending:
+        store.remove_shard(name)  # half-written leftovers of a killed writer
+    size = estimate(cfg, sum(n for _, n in pending))
     space = check_space(url, size["projected_bytes"], c.ignore_space)
     log(f"capture: {len(plans)} shards ({len(committed)} committed, {len(adopted)} adopted, {len(pending)} to "
         f"do), {size['bytes_per_token']} B/token, {size['projected']} to write, skipped {skipped}")
-    started, rows = time.perf_counter(), []
+    started, result = time.perf_counter(), Results()
     if pending:
-        rows = _capture_with_ray(cfg, target_path, store, pending, tqdm)
-    report = verify(url, c.storage_options)
-    per_actor: dict[str, dict] = {}
-    for r in rows:
-        a = per_actor.setdefault(r["actor"], {"shards": 0, "tokens": 0, "bytes": 0, "compute_s": 0.0, "write_s": 0.0})
-        a["shards"] += 1
-        a["tokens"] += int(r["n_tokens"])
-        a["bytes"] += int(r["nbytes"])
-        a["compute_s"] += float(r["compute_seconds"])
-        a["write_s"] += float(r["write_seconds"])
-    for a in per_actor.values():
-        a["tokens_per_s"] = round(a["tokens"] / max(a["compute_s"], 1e-9), 1)
-    summary = {**store.summary(), "store": url, "skipped": skipped, "new_shards": len(rows),
+        todo = select_plans(plan_file, {name for name, _ in pending}, out / "pending.parquet")
+        result = _capture_with_ray(cfg, target_path, store, todo, size["tokens"], tqdm)
+    store.compact()  # fold the per-shard commit log into manifest.parquet, once
+    per_actor = result.per_actor_summary()
+    result.failed.sort(key=lambda f: f["shard"])
+    summary = {**store.summary(), "store": url, "skipped": skipped, "new_shards": result.new,
                "adopted_shards": len(adopted), "seconds": round(time.perf_counter() - started, 2),
-               "per_actor": per_actor, "space": space, "verify_ok": report["ok"],
+               "per_actor": per_actor, "space": space, "failed_shards": result.failed,
                "bytes_per_token": size["bytes_per_token"]}
+    if result.failed:  # the other shards are committed; a rerun retries only these
+        write_json_atomic(out / "summary.json", {**summary, "verify_ok": None})
+        names = [f["shard"] for f in result.failed]
+        raise RuntimeError(f"capture: {len(names)} shard(s) failed twice: {names}; first error: "
+                           f"{result.failed[0]['error']}; the others are committed and a rerun retries only "
+                           f"these; see {out / 'summary.json'}")
+    report = verify(url, c.storage_options)
+    summary["verify_ok"] = report["ok"]
     write_json_atomic(out / "summary.json", {**summary, "verify": report})
     if not report["ok"]:
         raise RuntimeError(f"capture: verify found {len(report['problems'])} problem(s), first: "
@@ -210,12 +362,20 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     return out
 
 
-def _capture_with_ray(cfg: FullConfig, target_path, store: HiddenStateStore, pending: list[ShardPlan], tqdm) -> list:
+def _capture_with_ray(cfg: FullConfig, target_path, store: HiddenStateStore, todo: Path, tokens: int,
+                      tqdm) -> "Results":
+    """Ray Data reads the shard refs from `todo` (no token crosses the object store from the
+    driver); actors read the samples, capture and write; the driver commits each returned row."""
     import ray
 
     c = cfg.capture
     ensure_ray(cfg.cluster)
-    ds = ray.data.from_items([vars(p) for p in pending])
+    import pyarrow.parquet as pq
+
+    # One block per actor call, so that the calls spread over the whole pool (a single file
+    # would otherwise be read as one block, i.e. one task on one actor).
+    calls = math.ceil(pq.ParquetFile(todo).metadata.num_rows / c.shards_per_call)
+    ds = ray.data.read_parquet(str(todo)).repartition(max(1, calls))
     # One engine per actor, on the GPUs Ray gave it (an SGLang actor is one TP group).
     engine = {"target_path": str(target_path), "layer_ids": cfg.target.capture_ids, "dtype": engine_dtype(cfg),
               "micro_batch_tokens": c.micro_batch_tokens, "trust_remote_code": cfg.target.trust_remote_code,
@@ -225,19 +385,28 @@ def _capture_with_ray(cfg: FullConfig, target_path, store: HiddenStateStore, pen
         CaptureActor, batch_size=c.shards_per_call, batch_format="pyarrow",
         fn_constructor_kwargs={"store_url": store.url, "storage_options": store.storage_options,
                                "backend": c.backend, "engine": engine, "chunk_bytes": int(c.chunk_mb * (1 << 20)),
-                               "compression": c.compression, "fail_after_shards": c.fail_after_shards},
+                               "compression": c.compression, "corpus_folder": str(RunLayout.of(cfg).corpus_shards),
+                               "fail_after_shards": c.fail_after_shards, "fail_shards": tuple(c.fail_shards),
+                               "die_in_shards": tuple(c.die_in_shards),
+                               "fault_dir": str(RunLayout.of(cfg).stage_dir("capture"))},
         compute=ray.data.ActorPoolStrategy(size=c.actors), num_cpus=c.cpus_per_actor,
-        num_gpus=c.gpus_per_actor or None)
-    rows = []
-    bar = tqdm(total=sum(p.n_tokens for p in pending), desc="capture", unit="tok")
+        num_gpus=c.gpus_per_actor or None,
+        # A killed actor (OOM, preempted node) is restarted and its batch re-run; bounded, so a
+        # shard that kills every actor it meets ends the stage instead of looping.
+        max_restarts=c.max_actor_restarts, max_task_retries=c.max_actor_restarts)
+    result = Results()
+    bar = tqdm(total=tokens, desc="capture", unit="tok")
+    metrics = StageMetrics("capture", "tokens", total=tokens)  # Ray metrics: tokens done, tokens/s
     for row in results.iter_rows():
         row = {k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()}
-        store.commit([{k: row[k] for k in ("shard", "n_samples", "n_tokens", "nbytes", "sample_ids_sha256",
-                                           "writer", "write_seconds")}])
-        rows.append(row)
+        if not row["error"]:
+            store.commit([{k: row[k] for k in ("shard", "n_samples", "n_tokens", "nbytes", "sample_ids_sha256",
+                                               "writer", "write_seconds")}])
+        result.add(row)
         bar.update(int(row["n_tokens"]))
+        metrics.advance(int(row["n_tokens"]))
     bar.close()
-    return rows
+    return result
 
 
 def capture_main(cfg: FullConfig) -> None:
@@ -246,9 +415,72 @@ def capture_main(cfg: FullConfig) -> None:
         run(cfg, prepare_for(cfg, log=log))
         return
     layout = RunLayout.of(cfg)
-    tokens = cfg.capture.estimate_tokens
+    corpus = corpus_figures(layout)
+    tokens = cfg.capture.estimate_tokens or (corpus or {}).get("tokens")
     if tokens is None:
-        tokens = sum(len(r["input_ids"]) for r in layout.read_corpus())
+        raise ConfigError("capture.estimate_only: no finished generate stage here; set capture.estimate_tokens")
     size = estimate(cfg, tokens)
     size["space"] = check_space(layout.store_url, size["projected_bytes"], ignore=True)
+    size["projection"] = projection(cfg, tokens, corpus, measured_capture_tokens_per_s(layout))
     print(json.dumps(size, indent=2))
+
+
+MANIFEST_ROW_BYTES = 300  # one committed shard's row (its commit-log JSON; manifest.parquet is smaller)
+DRIVER_BYTES_PER_SHARD = 250  # what the capture driver keeps per shard: (name, n_tokens), a Results entry
+PY_BYTES_PER_TOKEN = 36  # a token as a Python int in a list (the driver reads one generate file at a time)
+
+
+def corpus_figures(layout: RunLayout) -> dict | None:
+    """Samples, tokens and answer tokens of the finished generate stage here; None without one."""
+    if layout.done_key("generate") is None:
+        return None
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    samples = tokens = answers = 0
+    for f in CorpusSamples(layout).files:
+        t = pq.read_table(layout.corpus_shard_file(f), columns=["input_ids", "answer_tokens"])
+        samples += t.num_rows
+        tokens += int(pc.sum(pc.list_value_length(t["input_ids"])).as_py() or 0)
+        answers += int(pc.sum(t["answer_tokens"]).as_py() or 0)
+    return {"samples": samples, "tokens": tokens, "answer_tokens": answers}
+
+
+def measured_capture_tokens_per_s(layout: RunLayout) -> float | None:
+    """Mean tokens/s of one actor in this run folder's last capture (capture/summary.json)."""
+    path = layout.stage_dir("capture") / "summary.json"
+    if not path.exists():
+        return None
+    rates = [a["tokens_per_s"] for a in json.loads(path.read_text()).get("per_actor", {}).values()]
+    return sum(rates) / len(rates) if rates else None
+
+
+def projection(cfg: FullConfig, tokens: int, corpus: dict | None, measured_tps: float | None) -> dict:
+    """Projected wall time of generate and capture, shard count, manifest size and driver
+    memory for `tokens` corpus tokens; each figure names what it rests on."""
+    c, d = cfg.capture, cfg.data
+    per_sample = corpus["tokens"] / corpus["samples"] if corpus and corpus["samples"] else d.max_length
+    answer_fraction = corpus["answer_tokens"] / corpus["tokens"] if corpus and corpus["tokens"] else 1.0
+    shards = math.ceil(tokens / per_sample / c.shard_samples) + len(SPLITS) - 1  # a partial shard per split
+    capture_tps = c.estimate_capture_tokens_per_s or measured_tps
+    generate_tps = c.estimate_generate_tokens_per_s
+
+    def hours(work: float, rate: float | None, engines: int):
+        return None if rate is None else round(work / (rate * engines) / 3600, 2)
+
+    return {
+        "tokens_per_sample": round(per_sample, 1),
+        "tokens_per_sample_from": "corpus" if corpus else "data.max_length (no corpus: an upper bound)",
+        "shards": shards,
+        "manifest_bytes": shards * MANIFEST_ROW_BYTES,
+        "driver_bytes": shards * DRIVER_BYTES_PER_SHARD + int(d.shard_size * per_sample * PY_BYTES_PER_TOKEN),
+        "capture_tokens_per_s_per_actor": capture_tps,
+        "capture_tokens_per_s_from": "config" if c.estimate_capture_tokens_per_s else
+                                     ("capture/summary.json" if measured_tps else "unknown: set "
+                                      "capture.estimate_capture_tokens_per_s"),
+        "capture_hours": hours(tokens, capture_tps, c.actors),
+        "generate_answer_tokens": int(tokens * answer_fraction),
+        "answer_fraction_from": "corpus" if corpus else "none (every token counted as generated: an upper bound)",
+        "generate_tokens_per_s_per_engine": generate_tps,
+        "generate_hours": hours(tokens * answer_fraction, generate_tps, d.num_engines),
+    }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
@@ -31,6 +32,47 @@ class ShardPlan:
         return sum(len(s) for s in self.input_ids)
 
 
+@dataclass
+class ShardRef:
+    """What the driver sends an actor for one shard: where its samples are in the generate
+    shards (file index and row of each), not their tokens; the actor reads those itself."""
+
+    name: str
+    sample_ids: list[str]
+    files: list[int]
+    rows: list[int]
+    n_tokens: int
+
+
+class CorpusFiles:
+    """Actor side: reads the samples of a ShardRef from the committed generate shards,
+    keeping the last few files' token columns (consecutive shards share files)."""
+
+    def __init__(self, folder: str, keep: int = 2):
+        self.folder, self.keep, self.cache = Path(folder), keep, {}
+
+    def table(self, index: int):
+        import pyarrow.parquet as pq
+
+        if index not in self.cache:
+            if len(self.cache) >= self.keep:
+                self.cache.pop(next(iter(self.cache)))
+            self.cache[index] = pq.read_table(self.folder / f"{index:05d}.parquet",
+                                              columns=["id", "input_ids", "loss_mask"])
+        return self.cache[index]
+
+    def load(self, ref: ShardRef) -> ShardPlan:
+        input_ids, loss_mask = [], []
+        for sid, f, r in zip(ref.sample_ids, ref.files, ref.rows):
+            t = self.table(f)
+            if t["id"][r].as_py() != sid:  # the corpus changed under the plan: never capture the wrong sample
+                raise ValueError(f"shard {ref.name}: generate shard {f} row {r} is {t['id'][r].as_py()!r}, "
+                                 f"the plan says {sid!r}")
+            input_ids.append(t["input_ids"][r].as_py())
+            loss_mask.append(t["loss_mask"][r].as_py())
+        return ShardPlan(ref.name, list(ref.sample_ids), input_ids, loss_mask)
+
+
 def shard_data(plan: ShardPlan, states) -> ShardData:
     lengths = [len(s) for s in plan.input_ids]
     if any(n == 0 for n in lengths):
@@ -45,26 +87,69 @@ def shard_data(plan: ShardPlan, states) -> ShardData:
     )
 
 
-def capture_and_write(engine, store: HiddenStateStore, plans: Sequence[ShardPlan], chunk_bytes: int,
-                      compression: str = "none", before_shard: Callable[[int], None] | None = None) -> list[dict]:
+def failed_row(name: str, exc: BaseException) -> dict:
+    """The record an actor returns for a shard it could not capture (nothing committed)."""
+    return {"shard": name, "n_samples": 0, "n_tokens": 0, "nbytes": 0, "sample_ids_sha256": "", "writer": "",
+            "write_seconds": 0.0, "compute_seconds": 0.0, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def capture_and_write(engine, store: HiddenStateStore, plans: Sequence, chunk_bytes: int,
+                      compression: str = "none", before_shard: Callable[[object], None] | None = None,
+                      retries: int | None = None, load: Callable[[object], ShardPlan] | None = None) -> list[dict]:
     """Capture and write whole shards; shard k is written while shard k+1 is computed.
 
-    Returns one manifest row per shard (plus capture timings), all writes finished."""
+    `load` turns a plan into a ShardPlan (e.g. a ShardRef read from the corpus; default: the
+    plan itself). With `retries=None` the first error propagates; with an int, a failing
+    shard (load, compute or write) is retried that many times once the others are done, and
+    then reported by a `failed_row` in place of its manifest row, so one bad shard does not
+    stop the others. Returns one row per shard (plus capture timings), all writes finished."""
+    load = load or (lambda p: p)
     rows: list[dict] = []
+    failed: list[tuple[object, BaseException]] = []
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as pool:
-        pending = None
-        for k, plan in enumerate(plans):
+
+        def start(plan) -> _Timed:  # compute now, write on the writer thread
             if before_shard is not None:
-                before_shard(k)
+                before_shard(plan)
+            shard = load(plan)
             started = time.perf_counter()
-            data = shard_data(plan, engine.states(plan.input_ids))
-            compute_s = time.perf_counter() - started
+            data = shard_data(shard, engine.states(shard.input_ids))
+            return _Timed(pool.submit(store.write_shard, shard.name, data, chunk_bytes, compression),
+                          time.perf_counter() - started)
+
+        def finish(plan, timed: _Timed) -> None:
+            try:
+                rows.append(timed.result())
+            except Exception as exc:
+                if retries is None:
+                    raise
+                failed.append((plan, exc))
+
+        pending = None
+        for plan in plans:
+            try:
+                timed = start(plan)
+            except Exception as exc:
+                if retries is None:
+                    raise
+                failed.append((plan, exc))
+                timed = None
             if pending is not None:
-                rows.append(pending.result())
-            write = pool.submit(store.write_shard, plan.name, data, chunk_bytes, compression)
-            pending = _Timed(write, compute_s)
+                finish(*pending)
+            pending = (plan, timed) if timed is not None else None
         if pending is not None:
-            rows.append(pending.result())
+            finish(*pending)
+        for plan, exc in failed:  # in place, one at a time, after the others
+            for _ in range(retries or 0):
+                try:
+                    store.remove_shard(plan.name)  # what the failed attempt left (never marked complete)
+                    rows.append(start(plan).result())
+                    break
+                except Exception as again:
+                    exc = again
+            else:
+                store.remove_shard(plan.name)
+                rows.append(failed_row(plan.name, exc))
     return rows
 
 
@@ -74,4 +159,4 @@ class _Timed:
 
     def result(self) -> dict:
         row = self.future.result()
-        return {**row, "compute_seconds": self.compute_s}
+        return {**row, "compute_seconds": self.compute_s, "error": None}

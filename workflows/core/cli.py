@@ -82,6 +82,15 @@ def hydra_entry(task: Callable[[Any], Any], lock: Callable[[Any], bool] = lambda
 
 def stage_main(run_stage: Callable[[Any, Path], Any]) -> Callable[[], Any]:
     """The entry point of a stage `run_stage(cfg, target_path)`: the target is prepared first."""
+    from workflows.core.layout import RunLayout
     from workflows.core.targets import prepare_for
 
-    return hydra_entry(lambda cfg: run_stage(cfg, prepare_for(cfg, log=log)))
+    # workflows.<stage>[.stage]: a stage whose output is shared between runs (multirun,
+    # sweeps) waits for that folder's lock, as under workflows.full.
+    stage = run_stage.__module__.split(".")[1]
+
+    def run(cfg):
+        with RunLayout.of(cfg).shared_stage_lock(stage):
+            return run_stage(cfg, prepare_for(cfg, log=log))
+
+    return hydra_entry(run)

@@ -9,6 +9,7 @@ load, before any stage runs.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,7 +26,8 @@ STAGES = ("target", "generate", "capture", "vocab", "train", "export", "evaluate
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_NAME = "eagle3_schema"  # the structured config `conf/full.yaml` starts from
 # Overrides that never name a multirun job's folder: locations, and values that may be secret.
-UNNAMED_OVERRIDES = ("run_dir=", "cache_dir=", "capture.storage_options", "target.env")
+UNNAMED_OVERRIDES = ("run_dir=", "cache_dir=", "shared_dir=", "capture.storage_options", "target.env")
+SHARED_OFF = "off"  # shared_dir=off: never share stage outputs, even under multirun or a sweep
 
 
 @dataclass
@@ -102,8 +104,31 @@ class DatasetSpec:
 
 @dataclass
 class TrainSection(LoopConfig):
-    batch_size: int = 4
-    device: str = "cpu"
+    # Where the optimizer step runs: "ray" = Ray Train workers with DeepSpeed (reads the
+    # store), "local" = the plain loop in this process (the reference); auto: ray when the
+    # states come from the store, local for online states.
+    backend: Literal["auto", "ray", "local"] = "auto"
+    num_workers: int = 2  # Ray Train workers (one GPU each in production)
+    cpus_per_worker: float = 1
+    gpus_per_worker: float = 0  # > 0: CUDA workers with NCCL
+    zero_stage: int = 1  # DeepSpeed ZeRO stage (0-2)
+    grad_accum: int = 1  # micro-batches per optimizer step
+    batch_size: int = 4  # samples per micro-batch when padding (packing=false) and when evaluating
+    # Packing: samples concatenated into rows of max_seq_len tokens, attention inside each
+    # sample. Off by default: on CPU (dense attention, T^2 per row) length-sorted padding
+    # trained 1.1-1.3x more tokens/s on the embedded default's lengths (bench/bench_packing.py);
+    # GPU presets (flex attention skips the blocks across samples) turn it on.
+    packing: bool = False
+    max_seq_len: int = 2048  # longer samples are truncated, and counted in metrics.json
+    rows_per_batch: int = 1  # packed rows per micro-batch
+    shuffle_window: int = 256  # samples batched together before their batches are shuffled
+    prefetch_batches: int = 4  # batches the loader keeps ready
+    eval_every: int = 100  # held-out evaluation (from the store's held-out shards), steps
+    keep_checkpoints: int = 2  # best by held-out walk acceptance; the latest is always kept
+    resume: bool = True  # false: discard this run folder's checkpoints and start afresh
+    init_from: str | None = None  # warm start: a draft folder's weights only
+    on_corrupt_shard: Literal["error", "skip"] = "error"  # skip: counted in metrics.json
+    device: str = "cpu"  # the local backend's device
     checkpoint_every: int = 100  # steps; 0 = only at the end
     # The draft's compute: bf16 autocast or fp32; auto: whichever is faster here.
     compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
@@ -115,7 +140,10 @@ class TrainSection(LoopConfig):
 
     def validate(self, where: str = "train") -> None:
         super().validate(where)
-        check_ranges(self, where, batch_size=">=1", checkpoint_every=">=0")
+        check_ranges(self, where, batch_size=">=1", checkpoint_every=">=0", num_workers=">=1",
+                     cpus_per_worker=">0", gpus_per_worker=">=0", zero_stage="[0,2]", grad_accum=">=1",
+                     max_seq_len=">=8", rows_per_batch=">=1", shuffle_window=">=1", prefetch_batches=">=1",
+                     eval_every=">=1", keep_checkpoints=">=1")
 
 
 @dataclass
@@ -137,13 +165,24 @@ class CaptureSection:
     compression: str = "none"  # or zstd[:level] (~1.28x on bf16 states, much slower)
     estimate_only: bool = False  # print bytes/token and the projected size, capture nothing
     estimate_tokens: int | None = None  # for estimate_only without a corpus (e.g. 88000000)
+    # estimate_only's wall-time projection: tokens/s of one capture actor (null: measured, the last
+    # capture/summary.json's per-actor mean) and answer tokens/s of one generate engine
+    estimate_capture_tokens_per_s: float | None = None
+    estimate_generate_tokens_per_s: float | None = None
     ignore_space: bool = False  # start even when the destination lacks the projected space
     fail_after_shards: int | None = None  # fault injection for resume tests; keep null
+    # fault injection for the failure tests: shards whose name starts with one of these fail every time
+    fail_shards: list[str] = field(default_factory=list)
+    # fault injection: the actor process exits (as if killed) the first time it meets one of these
+    die_in_shards: list[str] = field(default_factory=list)
+    max_actor_restarts: int = 3  # a dead capture actor is restarted and its batch re-run, this many times
 
     def validate(self, where: str = "capture") -> None:
         check_ranges(self, where, shard_samples=">=1", shards_per_call=">=1", micro_batch_tokens=">=1",
                      actors=">=1", cpus_per_actor=">0", gpus_per_actor=">=0", chunk_mb=">0",
-                     estimate_tokens=">=1", fail_after_shards=">=0")
+                     estimate_tokens=">=1", fail_after_shards=">=0", estimate_capture_tokens_per_s=">0",
+                     estimate_generate_tokens_per_s=">0",
+                     max_actor_restarts=">=0")
         level = self.compression.removeprefix("zstd").removeprefix(":")
         if self.compression != "none" and not (self.compression.startswith("zstd") and (not level or level.isdigit())):
             raise ConfigError(f"{where}.compression={self.compression!r}: use 'none' or 'zstd[:level]'")
@@ -228,6 +267,11 @@ class FullConfig:
     stages: list[str] = field(default_factory=lambda: list(STAGES))
     run_dir: str = "runs/default"
     cache_dir: str = ".cache"
+    # Where `generate`, `capture` (and its store) and `vocab` are written when runs share them:
+    # <shared_dir>/<stage>/<hash of what determines the stage's output>, so runs that agree
+    # on it reuse one committed copy (workflows.core.layout). null: <run_dir>/shared under
+    # Hydra multirun and W&B sweep trials, off for a single run; "off": never.
+    shared_dir: str | None = None
     seed: int = 0
 
     def validate(self, where: str = "config") -> None:
@@ -255,9 +299,18 @@ def load_config(hydra_cfg) -> FullConfig:
 
     data = OmegaConf.to_container(hydra_cfg, resolve=True)
     data.pop("hydra", None)
+    base = Path(data.get("run_dir", "runs/default"))
     job_dir = _multirun_job_dir()
+    sweep = os.environ.get("WANDB_SWEEP_ID")  # set by `wandb agent` for each trial it starts
     if job_dir is not None:
-        data["run_dir"] = str(Path(data.get("run_dir", "runs/default")) / "multirun" / job_dir)
+        data["run_dir"] = str(base / "multirun" / job_dir)
+    elif sweep:  # a W&B sweep trial: its own folder, named by the trial's W&B run id
+        data["run_dir"] = str(base / f"sweep-{sweep}" / os.environ.get("WANDB_RUN_ID", "trial"))
+    shared = data.get("shared_dir")
+    if shared is None and (job_dir is not None or sweep):
+        shared = str(base / "shared")  # jobs of one sweep reuse each other's corpus and store
+    # Absolute, so that Ray workers starting elsewhere find the same folders.
+    data["shared_dir"] = None if shared in (None, SHARED_OFF) else str(Path(shared).resolve())
     return from_dict(FullConfig, data)
 
 

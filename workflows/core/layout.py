@@ -9,6 +9,18 @@
       report/     report.json, report.md, *.png, DONE.json     (the evaluate stage)
       benchmark/  benchmark.json                    (a served benchmark, when one was recorded)
 
+With sharing on (`shared_dir`, on by default under Hydra multirun and W&B sweeps) the
+stages that build the corpus, the store and the vocabulary live outside the run folder,
+content-addressed, so that runs agreeing on what determines them reuse one copy:
+
+    <shared_dir>/generate/<g>/        as generate/ above; g = hash(target minus capture ids, mixture, data, seed)
+    <shared_dir>/capture/<c>/         summary.json, DONE.json, store/   c = hash(g, target, capture settings)
+    <shared_dir>/vocab/<v>/           as vocab/ above; v = hash(g, draft_vocab_size, vocab_size)
+
+(an explicit `capture.store` URL then holds the store at `<capture.store>/<c>`). A shared
+stage is run under a lock beside its folder (`shared_stage_lock`): a second run waits,
+then finds it done and reuses it.
+
 Stages ask this module for paths and for the artefacts of the stages before them
 (`read_corpus`, `read_vocab`, `open_store`, the draft folder); none spells a path itself.
 `require_done(stage)` is the check that an upstream stage has finished, with the
@@ -17,16 +29,43 @@ message that says how to run it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 from workflows.core.errors import MissingArtefact
-from workflows.core.markers import folder_lock, marker_key, read_json
+from workflows.core.markers import config_hash, exclusive_lock, folder_lock, marker_key, read_json
 
 STAGE_DIRS = {"generate": "generate", "capture": "capture", "vocab": "vocab", "train": "train",
               "export": "export", "evaluate": "report"}
+SHARED_STAGES = ("generate", "capture", "vocab")  # the stages runs can share (see shared_dirs)
+# Settings that change how fast a stage runs or where it writes, never what it writes:
+# left out of the shared folders' hashes (the stages' own DONE keys still check everything).
+_NOT_OUTPUT = {"data": ("num_engines", "threads_per_engine"),
+               "capture": ("store", "storage_options", "shards_per_call", "actors", "cpus_per_actor",
+                           "gpus_per_actor", "estimate_only", "estimate_tokens", "ignore_space",
+                           "fail_after_shards"),
+               "target": ("env",)}
+
+
+def _section(cfg, name: str, *also_drop: str) -> dict:
+    drop = (*_NOT_OUTPUT.get(name, ()), *also_drop)
+    return {k: v for k, v in dataclasses.asdict(getattr(cfg, name)).items() if k not in drop}
+
+
+def shared_hashes(cfg) -> dict[str, str]:
+    """Stage -> the hash naming its shared folder: the config that determines its output,
+    chained with its upstream stage's hash (a new corpus means a new store and vocab)."""
+    generate = config_hash({"target": _section(cfg, "target", "capture_layer_ids"), "data": _section(cfg, "data"),
+                            "mixture": {k: dataclasses.asdict(v) for k, v in cfg.mixture.items()},
+                            "seed": cfg.seed})
+    capture = config_hash({"generate": generate, "target": _section(cfg, "target"),
+                           "capture_ids": cfg.target.capture_ids, "capture": _section(cfg, "capture")})
+    vocab = config_hash({"generate": generate, "draft_vocab_size": cfg.draft.draft_vocab_size,
+                         "vocab_size": cfg.target.vocab_size})
+    return {"generate": generate, "capture": capture, "vocab": vocab}
 
 
 @dataclass(frozen=True)
@@ -34,15 +73,34 @@ class RunLayout:
     root: Path
     store_url: str
     storage_options: dict = field(default_factory=dict)
+    shared: dict[str, Path] = field(default_factory=dict)  # stage -> its shared folder (sharing on)
 
     @classmethod
     def of(cls, cfg) -> "RunLayout":
-        root = cfg.run_path
-        return cls(root, cfg.capture.store or str(root / "store"), dict(cfg.capture.storage_options))
+        root, options = cfg.run_path, dict(cfg.capture.storage_options)
+        if not cfg.shared_dir:
+            return cls(root, cfg.capture.store or str(root / "store"), options)
+        hashes = shared_hashes(cfg)
+        shared = {stage: Path(cfg.shared_dir) / stage / hashes[stage] for stage in SHARED_STAGES}
+        store = f"{cfg.capture.store.rstrip('/')}/{hashes['capture']}" if cfg.capture.store else \
+            str(shared["capture"] / "store")
+        return cls(root, store, options, shared)
 
     # ------------------------------------------------------------------- stage folders
     def stage_dir(self, stage: str) -> Path:
-        return self.root / STAGE_DIRS[stage]
+        return self.shared.get(stage) or self.root / STAGE_DIRS[stage]
+
+    @contextlib.contextmanager
+    def shared_stage_lock(self, stage: str) -> Iterator[None]:
+        """Wait for exclusive use of a shared stage's folder (nothing for a run's own stages).
+        The lock file sits beside the folder: the vocab stage replaces its folder whole."""
+        folder = self.shared.get(stage)
+        if folder is None:
+            yield
+            return
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with exclusive_lock(folder.with_name(f"{folder.name}.lock")):
+            yield
 
     @property
     def prompts_file(self) -> Path:

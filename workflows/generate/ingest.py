@@ -2,10 +2,16 @@
 
 Formats (`format`, or `auto` to detect per record):
 * `sharegpt`: `{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}, ...]}`
-* `openai`:   `{"messages": [{"role": ..., "content": ..., "reasoning_content"?: ...}, ...]}`
+* `openai`:   `{"messages": [{"role": ..., "content": ..., "reasoning_content"?: ...}, ...]}`;
+  `content` is a string or a list of parts (`[{"type": "text", "text": ...}, {"type":
+  "image_url", ...}]`): the text parts (`text`/`input_text`) are joined with one space, as
+  SGLang 0.5.23 flattens a parts list for a text-only chat template
+  (`process_content_for_template_format`, "string" format), so the prompt the target sees
+  here is the one it is served; every other part is dropped and counted.
 * `prompts`:  `{"prompt": "...", "system"?: "..."}`
 Files: JSON (a list of records), JSONL (optionally .gz), Parquet; local paths or fsspec
-URLs (`memory://`, `s3://`, ...; compression inferred from the name).
+URLs (`memory://`, `s3://`, ...; compression inferred from the name). A UTF-8 byte-order
+mark at the start of a JSON/JSONL file is accepted (editors on Windows write one).
 
 Normalised record: id, dataset, split, messages (list of {role, content, reasoning_content}).
 Ids: the record's own `id` when present, else a hash of its content, both prefixed by the
@@ -18,12 +24,18 @@ What is fatal and what is skipped (nothing is dropped silently):
   not UTF-8, a record that is not an object or lacks the format's field, an unreadable file.
 * counted skips, by reason, in the accounting table (first location of each logged):
   `empty_conversation` (no turns, or no user turn), `missing_role_or_content`,
-  `unknown_role`, `non_alternating_roles`, `empty_prompt`, `duplicate`, `weight_sampled_out`.
+  `unknown_role`, `non_alternating_roles`, `empty_prompt`, `duplicate`, `weight_sampled_out`;
+  and `non_text_part`, which counts *parts* (images, audio, ...) dropped from the
+  content lists of conversations that were kept (the conversation itself is kept). A turn
+  whose list has no text part at all is a `missing_role_or_content` skip of its record.
+* fatal, naming the dataset and its file(s) with the counts by reason: a dataset that
+  yields no conversation at all (`require_conversations`).
 * fine: a conversation ending on a user turn (its answer is generated); existing assistant
   turns are kept in the record (regeneration replaces them).
 """
 from __future__ import annotations
 
+import codecs
 import gzip
 import hashlib
 import io
@@ -86,11 +98,15 @@ def _open_bytes(path: str) -> bytes:
 
 
 def _decode(data: bytes, path: str, line_of_offset) -> str:
+    # A byte-order mark at the very start is valid UTF-8 framing, not content: drop it
+    # (json.loads refuses a str starting with U+FEFF). Error offsets stay in file bytes.
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
     try:
-        return data.decode("utf-8")
+        return data[bom:].decode("utf-8")
     except UnicodeDecodeError as exc:
-        line, col = line_of_offset(exc.start)
-        raise IngestError(f"{path}:{line}: not UTF-8 (byte 0x{data[exc.start]:02x} at column {col})") from None
+        start = exc.start + bom
+        line, col = line_of_offset(start)
+        raise IngestError(f"{path}:{line}: not UTF-8 (byte 0x{data[start]:02x} at column {col})") from None
 
 
 def iter_records(path: str, file_type: str = "auto") -> Iterator[tuple[str, Any]]:
@@ -140,26 +156,56 @@ def iter_records(path: str, file_type: str = "auto") -> Iterator[tuple[str, Any]
 # ----------------------------------------------------------------------------- normalising
 
 
-def _turns(items, role_key, text_key, roles) -> list[dict]:
+TEXT_PART_TYPES = {"text", "input_text"}  # the part types SGLang keeps as text
+PART_SEPARATOR = " "  # SGLang 0.5.23 joins the text parts of a list content with one space
+
+
+def _content_text(content: Any, where: str) -> tuple[str, int]:
+    """(text, number of non-text parts dropped) of one turn's content: a string, or an
+    OpenAI list of parts whose text parts are joined with PART_SEPARATOR."""
+    if isinstance(content, str):
+        return content, 0
+    if not isinstance(content, list):
+        raise Skip("missing_role_or_content", where)
+    texts, dropped = [], 0
+    for part in content:
+        if isinstance(part, dict) and part.get("type") in TEXT_PART_TYPES:
+            if not isinstance(part.get("text"), str):
+                raise Skip("missing_role_or_content", f"{where}: a text part without a string 'text'")
+            texts.append(part["text"])
+        else:
+            dropped += 1  # image_url, input_audio, file, ...: nothing a text target can read
+    if not texts:
+        raise Skip("missing_role_or_content", f"{where}: no text part")
+    return PART_SEPARATOR.join(texts), dropped
+
+
+def _turns(items, role_key, text_key, roles, allow_parts=False) -> tuple[list[dict], int]:
+    """Messages of a conversation and the number of non-text parts dropped from it
+    (content lists only when `allow_parts`, i.e. the OpenAI format)."""
     if not isinstance(items, list) or not items:
         raise Skip("empty_conversation")
-    out = []
+    out, dropped = [], 0
     for k, turn in enumerate(items):
+        content_types = (str, list) if allow_parts else str
         if not isinstance(turn, dict) or not isinstance(turn.get(role_key), str) \
-                or not isinstance(turn.get(text_key), str):
+                or not isinstance(turn.get(text_key), content_types):
             raise Skip("missing_role_or_content", f"turn {k}")
         role = roles.get(turn[role_key].strip().lower())
         if role is None:
             raise Skip("unknown_role", f"turn {k}: {turn[role_key]!r}")
-        message = {"role": role, "content": turn[text_key], "reasoning_content": None}
+        text, n = _content_text(turn[text_key], f"turn {k}")
+        dropped += n
+        message = {"role": role, "content": text, "reasoning_content": None}
         if isinstance(turn.get("reasoning_content"), str) and turn["reasoning_content"]:
             message["reasoning_content"] = turn["reasoning_content"]
         out.append(message)
-    return out
+    return out, dropped
 
 
-def normalise(record: Any, fmt: str, location: str) -> list[dict]:
-    """Messages of one record; raises IngestError (fatal) or Skip (counted)."""
+def normalise(record: Any, fmt: str, location: str) -> tuple[list[dict], int]:
+    """Messages of one record and the number of non-text content parts dropped from it;
+    raises IngestError (fatal) or Skip (counted)."""
     if not isinstance(record, dict):
         raise IngestError(f"{location}: a record must be a JSON object, got {type(record).__name__}")
     if fmt == "auto":
@@ -169,10 +215,11 @@ def normalise(record: Any, fmt: str, location: str) -> list[dict]:
     key = FORMAT_FIELD[fmt]
     if key not in record:
         raise IngestError(f"{location}: missing field {key!r} (format {fmt})")
+    dropped = 0
     if fmt == "sharegpt":
-        messages = _turns(record[key], "from", "value", SHAREGPT_ROLES)
+        messages, _ = _turns(record[key], "from", "value", SHAREGPT_ROLES)
     elif fmt == "openai":
-        messages = _turns(record[key], "role", "content", OPENAI_ROLES)
+        messages, dropped = _turns(record[key], "role", "content", OPENAI_ROLES, allow_parts=True)
     else:
         if not isinstance(record[key], str):
             raise IngestError(f"{location}: field 'prompt' must be a string")
@@ -188,7 +235,7 @@ def normalise(record: Any, fmt: str, location: str) -> list[dict]:
         expected = "user" if k % 2 == 0 else "assistant"
         if m["role"] != expected:
             raise Skip("non_alternating_roles", f"turn {k} is {m['role']}, expected {expected}")
-    return messages
+    return messages, dropped
 
 
 def prompt_key(messages: list[dict]) -> str:
@@ -210,7 +257,7 @@ def ingest_dataset(name: str, path: str, fmt: str, file_type: str, limit: int | 
             break
         counts["records"] += 1
         try:
-            messages = normalise(record, fmt, location)
+            messages, dropped_parts = normalise(record, fmt, location)
         except Skip as skip:
             counts[f"skipped_{skip.reason}"] += 1
             first_seen.setdefault(skip.reason, f"{location} {skip.detail}".strip())
@@ -226,17 +273,33 @@ def ingest_dataset(name: str, path: str, fmt: str, file_type: str, limit: int | 
             first_seen.setdefault("duplicate", location)
             continue
         seen.add(key)
+        if dropped_parts:  # counted for kept conversations only: a skipped record counts once
+            counts["skipped_non_text_part"] += dropped_parts
+            first_seen.setdefault("non_text_part", location)
         rows.append({"id": sample_id, "dataset": name,
                      "split": split if split != "auto" else split_of(sample_id, heldout_fraction),
                      "messages": messages})
     for reason, where in first_seen.items():
-        log(f"ingest {name}: skipped {counts['skipped_' + reason]} record(s) for {reason}, first at {where}")
+        unit = "content part(s)" if reason == "non_text_part" else "record(s)"
+        log(f"ingest {name}: skipped {counts['skipped_' + reason]} {unit} for {reason}, first at {where}")
     ids = Counter(r["id"] for r in rows)
     dup_ids = [i for i, n in ids.items() if n > 1]
     if dup_ids:
         raise IngestError(f"{path}: id {dup_ids[0]!r} is used by {ids[dup_ids[0]]} different records")
     counts["conversations"] = len(rows)
     return rows, counts
+
+
+def require_conversations(name: str, paths: list[str], counts: Counter) -> None:
+    """A dataset of the mixture that yields no conversation is a mistake (wrong path, wrong
+    format, all filtered out): stop, naming it, its file(s) and what was skipped for what."""
+    if counts["conversations"] > 0:
+        return
+    files = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    skips = ", ".join(f"{k.removeprefix('skipped_')}={v}" for k, v in sorted(counts.items())
+                      if k.startswith("skipped_") and v)
+    raise IngestError(f"dataset {name!r} ({files}) yields no conversation: {counts['records']} record(s) read, "
+                      f"skipped: {skips or 'none (the file holds no record)'}")
 
 
 def messages_type():

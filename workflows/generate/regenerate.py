@@ -11,11 +11,14 @@ or `sglang`) per Ray actor, for the actor's life.
 from __future__ import annotations
 
 import json
+from collections import Counter, defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 from eagle3.chat_template import (TemplateError, apply_length_policy, check_template, generation_prompt_ids,
                                   tokenize_conversation)
 from workflows.core.engines import EngineSpec, make_engine
+from workflows.core.markers import atomic_file, write_json_atomic
 
 
 @dataclass
@@ -123,6 +126,69 @@ class Regenerator:
                 "prompt_tokens": len(mask) - sum(mask), "answer_tokens": sum(mask),
             })
         return pa.Table.from_pylist(out, schema=RESULT_SCHEMA())
+
+
+def commit_shard_files(folder: Path, index: int, rows: list[dict]) -> dict:
+    """Write one shard's ok rows (Parquet, renamed into place), then its marker with counts:
+    `<k>.parquet`, then `<k>.done.json` last (a shard without its marker is not committed)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    shard = Path(folder) / f"{index:05d}.parquet"
+    with atomic_file(shard) as tmp:
+        pq.write_table(pa.Table.from_pylist(ok, schema=RESULT_SCHEMA()), tmp)
+    per_dataset: dict[str, Counter] = defaultdict(Counter)
+    errors = []
+    for r in rows:
+        c = per_dataset[r["dataset"]]
+        if r["status"] == "ok":
+            c["conversations"] += 1
+            c["prompt_tokens"] += r["prompt_tokens"]
+            c["answer_tokens"] += r["answer_tokens"]
+            c["truncated"] += int(r["truncated"])
+            c["turns_cut_overlong"] += r["turns_cut"]
+            c["finished_eos"] += int(r["finish"] == "eos")
+        else:
+            c[f"skipped_{r['status']}"] += 1
+            if r["error"]:
+                errors.append(f"{r['id']}: {r['error']}")
+    record = {"rows": len(ok), "ids": sorted(r["id"] for r in rows), "errors": errors[:5],
+              "counts": {k: dict(v) for k, v in per_dataset.items()}}
+    write_json_atomic(shard.with_name(f"{index:05d}.done.json"), record)
+    return record
+
+
+class ShardRegenerator(Regenerator):
+    """Ray Data callable class for whole output shards: each input row is a shard plan
+    (`shard`, `start`, `stop`: its rows of prompts.parquet). The actor reads those prompts,
+    regenerates them `batch_size` at a time, commits the shard itself (commit_shard_files)
+    and returns only a small record: no conversation goes back through the driver."""
+
+    def __init__(self, target_path: str, settings: dict, prompts_file: str, shards_folder: str, batch_size: int):
+        super().__init__(target_path, settings)
+        import pyarrow.parquet as pq
+
+        self.prompts = pq.read_table(prompts_file, memory_map=True)  # mapped: pages read when sliced
+        self.folder, self.batch_size = Path(shards_folder), batch_size
+
+    def __call__(self, batch):
+        import pyarrow as pa
+
+        out = []
+        for plan in batch.to_pylist():
+            prompts = self.prompts.slice(plan["start"], plan["stop"] - plan["start"]).to_pylist()
+            rows = []
+            for k in range(0, len(prompts), self.batch_size):
+                group = prompts[k : k + self.batch_size]
+                for p in group:
+                    p["messages_json"], p["shard"] = json.dumps(p.pop("messages")), plan["shard"]
+                rows += super().__call__(pa.Table.from_pylist(group)).to_pylist()
+            record = commit_shard_files(self.folder, plan["shard"], rows)
+            answers = sum(c.get("answer_tokens", 0) for c in record["counts"].values())
+            out.append({"shard": plan["shard"], "conversations": len(rows), "rows": record["rows"],
+                        "answer_tokens": answers})
+        return pa.Table.from_pylist(out)
 
 
 def RESULT_SCHEMA():  # noqa: N802 - a schema constant, built lazily (pyarrow import)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
@@ -43,8 +43,9 @@ from workflows.core.markers import (
 )
 from workflows.core.precision import resolve
 from workflows.core.provenance import identity_for
+from workflows.core.stage_metrics import StageMetrics
 from workflows.generate import ingest, offline_sources
-from workflows.generate.regenerate import RESULT_SCHEMA, Regenerator
+from workflows.generate.regenerate import ShardRegenerator, commit_shard_files
 
 # ----------------------------------------------------------------------------- ingestion
 
@@ -69,6 +70,7 @@ def ingest_mixture(cfg: FullConfig) -> tuple[list[dict], dict[str, Counter]]:
             total.update(c)
         counts[name] = total
         log(f"generate: {name}: {total['conversations']} conversations from {len(paths)} file(s)")
+        ingest.require_conversations(name, paths, total)  # an empty dataset is a mistake: stop
     return rows, counts
 
 
@@ -77,32 +79,7 @@ def ingest_mixture(cfg: FullConfig) -> tuple[list[dict], dict[str, Counter]]:
 
 def commit_shard(layout: RunLayout, index: int, rows: list[dict]) -> dict:
     """Write one shard's ok rows (Parquet, renamed into place), then its marker with counts."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    ok = [r for r in rows if r["status"] == "ok"]
-    shard = layout.corpus_shard_file(index)
-    with atomic_file(shard) as tmp:
-        pq.write_table(pa.Table.from_pylist(ok, schema=RESULT_SCHEMA()), tmp)
-    per_dataset: dict[str, Counter] = defaultdict(Counter)
-    errors = []
-    for r in rows:
-        c = per_dataset[r["dataset"]]
-        if r["status"] == "ok":
-            c["conversations"] += 1
-            c["prompt_tokens"] += r["prompt_tokens"]
-            c["answer_tokens"] += r["answer_tokens"]
-            c["truncated"] += int(r["truncated"])
-            c["turns_cut_overlong"] += r["turns_cut"]
-            c["finished_eos"] += int(r["finish"] == "eos")
-        else:
-            c[f"skipped_{r['status']}"] += 1
-            if r["error"]:
-                errors.append(f"{r['id']}: {r['error']}")
-    record = {"rows": len(ok), "ids": sorted(r["id"] for r in rows), "errors": errors[:5],
-              "counts": {k: dict(v) for k, v in per_dataset.items()}}
-    write_json_atomic(shard.with_name(f"{index:05d}.done.json"), record)
-    return record
+    return commit_shard_files(layout.corpus_shards, index, rows)
 
 
 def engine_device(cfg: FullConfig) -> str:
@@ -113,10 +90,11 @@ def engine_device(cfg: FullConfig) -> str:
     return "cuda" if cfg.data.backend == "sglang" and torch.cuda.is_available() else "cpu"
 
 
-def regenerate_shards(cfg: FullConfig, target_path: Path, pending: list[dict], expected: dict[int, int],
-                      layout: RunLayout, on_commit: Callable[[int], None] | None = None) -> None:
-    """Run the pending rows through the actor pool; commit each shard as soon as it is whole."""
-    import pyarrow as pa
+def regenerate_shards(cfg: FullConfig, target_path: Path, plans: list[dict], layout: RunLayout,
+                      on_commit: Callable[[int], None] | None = None) -> None:
+    """Send the pending shard plans (`shard`, `start`, `stop`: rows of prompts.parquet)
+    through the actor pool; each actor reads its prompts and commits its shard itself, the
+    driver only sees one small record per shard."""
     import ray
 
     ensure_ray(cfg.cluster)
@@ -128,26 +106,26 @@ def regenerate_shards(cfg: FullConfig, target_path: Path, pending: list[dict], e
                     dtype=resolve(cfg.data.dtype, device), threads=threads, seed=cfg.seed,
                     sglang_max_total_tokens=cfg.data.sglang_max_total_tokens if device == "cpu" else None,
                     trust_remote_code=cfg.target.trust_remote_code, tp_size=cfg.target.tp_size, device=device)
-    table = pa.Table.from_pylist([{"id": r["id"], "dataset": r["dataset"], "split": r["split"],
-                                   "shard": r["shard"], "messages_json": json.dumps(r["messages"])}
-                                  for r in pending])
-    ds = ray.data.from_arrow(table).repartition(max(1, len(expected))).map_batches(
-        Regenerator, fn_constructor_kwargs={"target_path": str(target_path), "settings": settings},
-        batch_size=cfg.data.batch_size, batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(size=cfg.data.num_engines),
-        num_cpus=1 if cfg.data.backend == "hf" else 0.5, zero_copy_batch=True)
-    buffers: dict[int, list[dict]] = defaultdict(list)
-    for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-        for row in batch.to_pylist():
-            buffers[row["shard"]].append(row)
-            if len(buffers[row["shard"]]) == expected[row["shard"]]:
-                k = row["shard"]
-                record = commit_shard(layout, k, buffers.pop(k))
-                log(f"generate: committed shard {k} ({record['rows']} conversations)")
-                if on_commit is not None:
-                    on_commit(k)
-    if buffers:
-        raise RuntimeError(f"generate: shards {sorted(buffers)} came back incomplete from Ray Data")
+    ds = ray.data.from_items(plans, override_num_blocks=len(plans)).map_batches(
+        ShardRegenerator, fn_constructor_kwargs={
+            "target_path": str(target_path), "settings": settings, "prompts_file": str(layout.prompts_file),
+            "shards_folder": str(layout.corpus_shards), "batch_size": cfg.data.batch_size},
+        batch_size=1, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=cfg.data.num_engines),
+        num_cpus=1 if cfg.data.backend == "hf" else 0.5)
+    # Ray metrics: conversations done (of those pending), answer tokens generated and per second.
+    conversations = StageMetrics("generate", "conversations", total=sum(p["stop"] - p["start"] for p in plans))
+    answers = StageMetrics("generate", "answer_tokens")
+    left = {p["shard"] for p in plans}
+    for record in ds.iter_rows():
+        k = int(record["shard"])
+        left.discard(k)
+        conversations.advance(int(record["conversations"]))
+        answers.advance(int(record["answer_tokens"]))
+        log(f"generate: committed shard {k} ({record['rows']} conversations)")
+        if on_commit is not None:
+            on_commit(k)
+    if left:
+        raise RuntimeError(f"generate: shards {sorted(left)} never came back from Ray Data")
 
 
 # ----------------------------------------------------------------------------- accounting
@@ -208,16 +186,16 @@ def run(cfg: FullConfig, target_path: Path, on_commit: Callable[[int], None] | N
     with atomic_file(layout.prompts_file) as tmp:
         ingest.write_normalised(rows, tmp)
 
-    for i, r in enumerate(rows):
-        r["shard"] = i // cfg.data.shard_size
-    expected = Counter(r["shard"] for r in rows)
+    # Shard k is rows [k * shard_size, (k+1) * shard_size) of prompts.parquet (same order as rows).
+    size = cfg.data.shard_size
+    expected = {k: min(size, len(rows) - k * size) for k in range(-(-len(rows) // size))}
     done = layout.committed_corpus_shards()
-    pending = [r for r in rows if r["shard"] not in done]
+    plans = [{"shard": k, "start": k * size, "stop": k * size + n} for k, n in expected.items() if k not in done]
     log(f"generate: {len(rows)} conversations in {len(expected)} shards, {len(done)} already committed, "
-        f"{len(pending)} conversations to regenerate ({cfg.data.backend} x{cfg.data.num_engines})")
-    if pending:
-        regenerate_shards(cfg, target_path, pending, {k: n for k, n in expected.items() if k not in done},
-                          layout, on_commit)
+        f"{sum(p['stop'] - p['start'] for p in plans)} conversations to regenerate "
+        f"({cfg.data.backend} x{cfg.data.num_engines})")
+    if plans:
+        regenerate_shards(cfg, target_path, plans, layout, on_commit)
     shards = layout.committed_corpus_shards()
     ids = [i for s in shards.values() for i in s["ids"]]
     if sorted(ids) != sorted(r["id"] for r in rows) or len(shards) != len(expected):

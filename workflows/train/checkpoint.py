@@ -1,44 +1,99 @@
 """Training checkpoints: resume (weights, optimizer, data position, RNG) vs warm start (weights).
 
-A checkpoint folder is a draft folder (workflows.core.draft_files) plus:
+A checkpoint folder holds:
 
-    optimizer.pt        optimizer state (resume only; read with weights_only=True)
-    loop.json           step, config key, generator state (resume only)
+    draft/                  the draft's weights, config and provenance (workflows.core.draft_files):
+                            what a warm start (`train.init_from`) reads, and nothing else
+    deepspeed/ | optimizer.pt   the optimizer: DeepSpeed's per-rank files, or the plain loop's state
+    loop_rank<r>.json       rank r's loop state: step, stream position (epoch, batches taken),
+                            noise generator, best walk acceptance so far, and the fields a
+                            resume must not change
 
-It is written whole into a temp folder and renamed into place, so a crash never leaves a
-half-written checkpoint, nor removes the previous one before the new one is complete.
+With Ray Train every rank writes its part into a temporary folder and hands it to
+`ray.train.report`, which gathers the parts into one `checkpoint_*` folder under
+`train/ray/` and records it in its snapshot only once complete; it keeps the
+`train.keep_checkpoints` best by walk acceptance and always the latest. The plain loop
+writes `train/checkpoint/` whole into a temporary folder and renames it into place. Either
+way a crash never leaves a half-written checkpoint, nor removes the only complete one.
 """
 from __future__ import annotations
 
 import base64
+import json
 from pathlib import Path
 
 import torch
 
 from eagle3.schema import ConfigError
-from workflows.core.draft_files import save_draft
-from workflows.core.markers import atomic_dir, read_json, write_json_atomic
+from workflows.core.markers import read_json, write_json_atomic
+
+DRAFT = "draft"
+RAY_RUN_NAME = "draft"
 
 
-def save_checkpoint(folder: Path, draft, provenance, step: int, optimizer, generator, key: str) -> None:
-    with atomic_dir(folder) as tmp:
-        save_draft(tmp, draft, provenance)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        state = base64.b64encode(generator.get_state().cpu().numpy().tobytes()).decode()
-        write_json_atomic(tmp / "loop.json", {"step": step, "key": key, "generator_state": state})
+def encode_state(state: torch.Tensor) -> str:
+    return base64.b64encode(state.cpu().numpy().tobytes()).decode()
 
 
-def load_resume_state(folder: Path, key: str) -> dict | None:
-    """Optimizer, step and generator state if `folder` holds a checkpoint of this config."""
-    loop_file = folder / "loop.json"
-    if not loop_file.exists():
-        return None
-    loop = read_json(loop_file)
-    if loop.get("key") != key:
+def decode_state(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def write_loop_state(folder: Path, rank: int, state: dict) -> None:
+    write_json_atomic(folder / f"loop_rank{rank}.json", state)
+
+
+def resume_mismatch(saved: dict, current: dict) -> list[str]:
+    """The resume-relevant fields that differ, as 'field: saved -> now' lines."""
+    return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in sorted(set(saved) | set(current))
+            if saved.get(k) != current.get(k)]
+
+
+def check_resumable(folder: Path, current: dict) -> dict:
+    """Rank 0's loop state of the checkpoint in `folder`, refusing a changed config."""
+    file = folder / "loop_rank0.json"
+    if not file.exists():
+        raise ConfigError(f"{folder}: a checkpoint without its loop state (loop_rank0.json); move it away")
+    state = read_json(file)
+    diff = resume_mismatch(state.get("resume_fields", {}), current)
+    if diff:
         raise ConfigError(
-            f"{folder} holds a checkpoint of a different training config (key {loop.get('key')} != {key}); "
-            "move it away or choose another run_dir to start afresh"
+            f"{folder} holds a checkpoint that cannot be resumed with this config, which changed "
+            + "; ".join(diff)
+            + ". Resume with the old settings, or start afresh: train.resume=false (or another run_dir); "
+              "train.init_from=<a draft folder> warm-starts from weights only"
         )
-    optimizer = torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu")
-    gen = torch.frombuffer(bytearray(base64.b64decode(loop["generator_state"])), dtype=torch.uint8)
-    return {"step": int(loop["step"]), "optimizer": optimizer, "generator": gen}
+    return state
+
+
+def read_loop_state(folder: Path, rank: int, current: dict) -> dict:
+    check_resumable(folder, current)
+    file = folder / f"loop_rank{rank}.json"
+    if not file.exists():
+        raise ConfigError(f"{folder}: no loop state of rank {rank} (saved by another world size?)")
+    state = read_json(file)
+    return {**state, "generator": decode_state(state["generator"])}
+
+
+def ray_run_dir(train_dir: Path) -> Path:
+    return train_dir / "ray" / RAY_RUN_NAME
+
+
+def latest_ray_checkpoint(train_dir: Path) -> Path | None:
+    """The checkpoint Ray Train will restore: the latest in its snapshot (complete by
+    construction: Ray records a checkpoint only after every rank's files are in)."""
+    snapshot = ray_run_dir(train_dir) / "checkpoint_manager_snapshot.json"
+    if not snapshot.exists():
+        return None
+    latest = json.loads(snapshot.read_text()).get("latest_checkpoint_result")
+    if not latest:
+        return None
+    folder = ray_run_dir(train_dir) / latest["checkpoint_dir_name"]
+    return folder if folder.exists() else None
+
+
+def latest_checkpoint(train_dir: Path, backend: str) -> Path | None:
+    if backend == "deepspeed":
+        return latest_ray_checkpoint(train_dir)
+    folder = train_dir / "checkpoint"
+    return folder if (folder / "loop_rank0.json").exists() else None

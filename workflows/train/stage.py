@@ -1,68 +1,49 @@
 """Stage `train`: train the EAGLE-3 draft with training-time test on the target's states.
 
-The target states come from the capture stage's store (`train.data_source=store`, the
-default once capture has finished in the run folder), or are computed here by the target
-("online", kept in memory). The flat loop of `eagle3.training` then trains the draft in
-this process. Checkpoints every `train.checkpoint_every` steps; a rerun with the same
-config resumes from the last one (weights, optimizer, step, noise RNG). Outputs in
-`<run_dir>/train/`:
+From the capture stage's store (the default once capture has finished in the run folder):
+`train.num_workers` Ray Train workers each stream their own shards of the store and run
+DeepSpeed on the draft (workflows.train.ray_job), or, with `train.backend=local`, the plain
+loop runs in this process (the reference). The target's head and embeddings are read alone
+from its checkpoint; the store's provenance must match the config field by field. Held-out
+evaluation comes from the store's held-out shards every `train.eval_every` steps.
+Checkpoints every `train.checkpoint_every` steps; a rerun resumes from the latest (weights,
+optimizer, data position, noise RNG, bit for bit), and refuses a checkpoint whose data, TTT
+length, world size or step budget differ, naming them.
 
-    checkpoint/      the last checkpoint (see workflows.train.checkpoint)
+"Online" states (`train.data_source=online`, no capture) are computed here by the target,
+kept in memory and trained by the plain loop: a laptop convenience, without checkpoints.
+
+Outputs in `<run_dir>/train/`:
+
+    ray/draft/       Ray Train's checkpoints (DeepSpeed per rank + loop state + draft)
+    checkpoint/      the local backend's checkpoint
     draft/           the final draft weights, config and provenance
     metrics.jsonl    one record per logged step
-    metrics.json     final held-out evaluation: per-step accuracy, simulated acceptance
+    metrics.json     final held-out evaluation: per-step accuracy, walk acceptance, breakdowns
 """
 from __future__ import annotations
 
 import dataclasses
 import random
+import shutil
 from pathlib import Path
 
-import torch
-
-from eagle3.modeling import Eagle3Draft
-from eagle3.schema import to_dict
+from eagle3.schema import ConfigError, to_dict
 from eagle3.target_head import TargetHead
 from eagle3.training import evaluate, train_in_memory
+from storage.store import StoreError
 from workflows.core.cli import log
 from workflows.core.config import FullConfig
-from workflows.core.draft_files import load_draft_weights, save_draft
+from workflows.core.draft_files import save_draft
 from workflows.core.engines import EngineSpec, HFEngine
 from workflows.core.errors import InputError
 from workflows.core.layout import RunLayout
-from workflows.core.markers import (
-    atomic_dir,
-    clear_done,
-    config_hash,
-    mark_done,
-    stage_is_done,
-    write_json_atomic,
-)
+from workflows.core.markers import atomic_dir, clear_done, mark_done, read_json, stage_is_done, write_json_atomic
 from workflows.core.precision import resolve
-from workflows.core.provenance import draft_provenance, identity_for
+from workflows.core.provenance import FINAL_IS_NORMED, capture_contract, draft_provenance, identity_for
 from workflows.train import checkpoint as ckpt
-from workflows.train.store_data import store_batches
 from workflows.train.tracking import Tracker
-
-# Settings a checkpoint may be resumed with changed: the step budget and the cadences.
-RESUMABLE_CHANGES = ("steps", "log_every", "checkpoint_every")
-
-
-def make_batches(samples: list[dict], batch_size: int, seed: int) -> list[list[dict]]:
-    """Length-sorted batches (little padding), visited in a seeded random order."""
-    ordered = sorted(samples, key=lambda r: (len(r["input_ids"]), r["id"]))
-    batches = [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
-    random.Random(seed).shuffle(batches)
-    return batches
-
-
-def build_draft(cfg: FullConfig, target_model, vocab) -> Eagle3Draft:
-    draft_cfg = cfg.draft.build(cfg.target, vocab.d2t.numel())
-    torch.manual_seed(cfg.seed)
-    draft = Eagle3Draft(draft_cfg)
-    draft.load_target_embeddings(target_model.get_input_embeddings().weight.float())
-    draft.set_vocab_mapping(vocab.d2t, vocab.t2d)
-    return draft
+from workflows.train.trainer import Trainer, TrainJob, build_draft
 
 
 def data_source(cfg: FullConfig, layout: RunLayout) -> str:
@@ -71,72 +52,136 @@ def data_source(cfg: FullConfig, layout: RunLayout) -> str:
     return "store" if layout.done_key("capture") is not None else "online"
 
 
+def backend_of(cfg: FullConfig, source: str) -> str:
+    if source == "online":
+        if cfg.train.backend == "ray":
+            raise ConfigError("train.backend=ray trains from the store: run the capture stage first, or set "
+                              "train.backend=local for online states")
+        return "online"
+    return "plain" if cfg.train.backend == "local" else "deepspeed"
+
+
+def resume_fields(cfg: FullConfig, backend: str, store_key: str) -> dict:
+    """What a checkpoint must agree on to be resumed: the data, the schedule, the maths."""
+    t = cfg.train
+    return {"data": store_key, "ttt": to_dict(t.ttt), "steps": t.steps, "optim": to_dict(t.optim),
+            "world_size": t.num_workers if backend == "deepspeed" else 1, "backend": backend,
+            "batching": {"batch_size": t.batch_size, "packing": t.packing, "max_seq_len": t.max_seq_len,
+                         "rows_per_batch": t.rows_per_batch, "shuffle_window": t.shuffle_window,
+                         "grad_accum": t.grad_accum},
+            "draft": to_dict(cfg.draft), "seed": cfg.seed, "compute_dtype": t.compute_dtype,
+            "zero_stage": t.zero_stage if backend == "deepspeed" else None, "init_from": t.init_from}
+
+
 def run(cfg: FullConfig, target_path: Path) -> Path:
     # "auto" settles here, on this machine; the key and the loop see the dtype really used.
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compute_dtype=resolve(cfg.train.compute_dtype)))
+    # Workers may run elsewhere (and Hydra's working directory is the driver's): absolute paths.
+    cfg = dataclasses.replace(cfg, run_dir=str(cfg.run_path), cache_dir=str(cfg.cache_path),
+                              train=dataclasses.replace(cfg.train, compute_dtype=resolve(cfg.train.compute_dtype)))
     layout = RunLayout.of(cfg)
     out = layout.stage_dir("train")
-    samples = layout.read_corpus()
-    vocab, vocab_summary = layout.read_vocab()
+    _, vocab_summary = layout.read_vocab()
     identity = identity_for(cfg, target_path)
     source = data_source(cfg, layout)
+    backend = backend_of(cfg, source)
     key = {"train": to_dict(cfg.train), "draft": to_dict(cfg.draft), "seed": cfg.seed, "target": identity,
            "capture_layer_ids": cfg.target.capture_ids,
            **layout.chain("generate", "vocab", *(["capture"] if source == "store" else []))}
+    for volatile in ("resume", "prefetch_batches", "log_every"):  # change nothing trained
+        key["train"].pop(volatile, None)
     if stage_is_done(out, key):
         log(f"train: reusing {out}")
         return out
     clear_done(out)
     out.mkdir(parents=True, exist_ok=True)
-    resume_key = config_hash({**key, "train": {k: v for k, v in key["train"].items() if k not in RESUMABLE_CHANGES}})
-    train_rows = [r for r in samples if r["split"] == "train"]
-    eval_rows = [r for r in samples if r["split"] == "heldout"]
-    if not train_rows:
-        raise InputError(f"{layout.corpus_shards}: the corpus has no train-split sample")
-    if not eval_rows:
-        log("train: no held-out samples (data.heldout_fraction too small?); evaluating on train data")
-        eval_rows = train_rows
-
-    engine = HFEngine(EngineSpec(str(target_path), dtype=resolve(cfg.train.capture_dtype),
-                                 layer_ids=cfg.target.capture_ids, trust_remote_code=cfg.target.trust_remote_code))
-    cfg.target.check_against_hf_config(engine.model.config)
-    train_groups = make_batches(train_rows, cfg.train.batch_size, cfg.seed)
-    eval_groups = make_batches(eval_rows, cfg.train.batch_size, cfg.seed)
-    if source == "store":
-        train_batches, eval_batches = store_batches(cfg, identity, [train_groups, eval_groups], engine.pad_id)
-    else:
-        train_batches = engine.training_batches(train_groups, "capture train")
-        eval_batches = engine.training_batches(eval_groups, "capture held-out")
-    head = TargetHead.from_hf(engine.model)
-    draft = build_draft(cfg, engine.model, vocab)
-    del engine  # the target's layers are no longer needed; keep memory for training
-
     provenance = draft_provenance(cfg, identity, vocab_summary)
-    resume = ckpt.load_resume_state(layout.checkpoint_dir, resume_key)
-    if resume is not None:
-        load_draft_weights(layout.checkpoint_dir, draft)
-        log(f"train: resuming from step {resume['step']} ({layout.checkpoint_dir})")
-
-    def save(step, optimizer, generator):
-        ckpt.save_checkpoint(layout.checkpoint_dir, draft, provenance, step, optimizer, generator, resume_key)
-
-    tracker = Tracker(cfg, out, resume_step=resume["step"] if resume else 0)
-    n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
-    log(f"train: {len(train_rows)} train / {len(eval_rows)} held-out samples ({source}), {n_params / 1e6:.2f}M "
-        f"trainable draft parameters, {cfg.train.steps} steps, TTT length {cfg.train.ttt.length}")
-    train_in_memory(draft, head, train_batches, cfg.train, eval_batches=eval_batches, log=tracker,
-                    resume=resume, checkpoint=save, checkpoint_every=cfg.train.checkpoint_every)
-    final = evaluate(draft, head, eval_batches, cfg.train)
-    final.update({"steps": cfg.train.steps, "eval_samples": len(eval_rows), "train_samples": len(train_rows),
-                  "acceptance_walk_is": "tokens per target pass walking the held-out text (predicts decoding)",
-                  "acceptance_per_position_average_is": "1 + leading correct averaged over every position "
-                                                        "(overestimates; for comparison only)"})
-    with atomic_dir(layout.draft_dir) as tmp:
-        save_draft(tmp, draft, provenance)
-    write_json_atomic(out / "metrics.json", final)
-    tracker.close(final)
+    if backend == "online":
+        final = train_online(cfg, layout, target_path, provenance)
+    else:
+        final = train_from_store(cfg, layout, target_path, identity, provenance, backend)
     mark_done(out, key, {k: final[k] for k in ("acceptance_walk", "acceptance_per_position_average", "k")})
     log(f"train: held-out acceptance (walk, k={final['k']}) {final['acceptance_walk']:.3f}; "
         f"per-position average {final['acceptance_per_position_average']:.3f}; step acc "
         f"{[round(a, 3) for a in final['step_acc']]}")
     return out
+
+
+def train_from_store(cfg: FullConfig, layout: RunLayout, target_path: Path, identity: dict, provenance: dict,
+                     backend: str) -> dict:
+    out = layout.stage_dir("train")
+    expect = capture_contract(cfg, identity)
+    reader = layout.open_store(expect=expect)
+    train_shards, heldout_shards = reader.shard_names("train"), reader.shard_names("heldout")
+    if not train_shards:
+        raise StoreError(f"store {layout.store_url}: no committed shard of the train split (shards are named "
+                         "train-*/heldout-* since format 2 of the capture plan); rerun stages=[capture] into a new "
+                         "store")
+    if not heldout_shards:
+        log("train: the store has no held-out shard (data.heldout_fraction too small?); evaluating on train data")
+    fields = resume_fields(cfg, backend, layout.require_done("capture"))
+    if not cfg.train.resume:
+        for folder in (ckpt.ray_run_dir(out), layout.checkpoint_dir):
+            shutil.rmtree(folder, ignore_errors=True)
+    latest = ckpt.latest_checkpoint(out, backend)
+    if latest is not None:
+        ckpt.check_resumable(latest, fields)  # refused here, before any worker starts
+    config = to_dict(cfg)
+    # Secrets stay out of what crosses Ray: the store's credentials travel once, in
+    # storage_options; the target's env is not needed by the workers.
+    config["capture"]["storage_options"], config["target"]["env"] = {}, {}
+    job = TrainJob(config=config, target_path=str(Path(target_path).resolve()), store_url=layout.store_url,
+                   storage_options=dict(layout.storage_options), expect=expect,
+                   final_is_normed=bool(reader.provenance.get("final_is_normed", FINAL_IS_NORMED)),
+                   provenance=provenance, resume_fields=fields, train_shards=train_shards,
+                   heldout_shards=heldout_shards, backend=backend)
+    t = cfg.train
+    log(f"train: {len(train_shards)} train / {len(heldout_shards)} held-out shards of {layout.store_url}, "
+        f"{t.steps} steps, TTT length {t.ttt.length}, {'packed to ' + str(t.max_seq_len) if t.packing else 'padded'}"
+        f", {t.compute_dtype}")
+    if backend == "deepspeed":
+        from workflows.train.ray_job import run_with_ray
+
+        run_with_ray(cfg, job, out)
+    else:
+        Trainer(job).fit(latest)
+    return read_json(out / "metrics.json")
+
+
+# ---------------------------------------------------------------------- online (no store)
+def make_batches(samples: list[dict], batch_size: int, seed: int) -> list[list[dict]]:
+    """Length-sorted batches (little padding), visited in a seeded random order."""
+    ordered = sorted(samples, key=lambda r: (len(r["input_ids"]), r["id"]))
+    batches = [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
+    random.Random(seed).shuffle(batches)
+    return batches
+
+
+def train_online(cfg: FullConfig, layout: RunLayout, target_path: Path, provenance: dict) -> dict:
+    out = layout.stage_dir("train")
+    samples = layout.read_corpus()
+    vocab, _ = layout.read_vocab()
+    train_rows = [r for r in samples if r["split"] == "train"]
+    eval_rows = [r for r in samples if r["split"] == "heldout"] or train_rows
+    if not train_rows:
+        raise InputError(f"{layout.corpus_shards}: the corpus has no train-split sample")
+    engine = HFEngine(EngineSpec(str(target_path), dtype=resolve(cfg.train.capture_dtype),
+                                 layer_ids=cfg.target.capture_ids, trust_remote_code=cfg.target.trust_remote_code))
+    cfg.target.check_against_hf_config(engine.model.config)
+    train_batches = engine.training_batches(make_batches(train_rows, cfg.train.batch_size, cfg.seed), "capture train")
+    eval_batches = engine.training_batches(make_batches(eval_rows, cfg.train.batch_size, cfg.seed),
+                                           "capture held-out")
+    head = TargetHead.from_hf(engine.model)
+    draft = build_draft(cfg, str(target_path), vocab)
+    del engine  # the target's layers are no longer needed; keep memory for training
+    log(f"train: {len(train_rows)} train / {len(eval_rows)} held-out samples (online, in this process), "
+        f"{cfg.train.steps} steps")
+    tracker = Tracker(cfg, out)
+    train_in_memory(draft, head, train_batches, cfg.train, eval_batches=eval_batches, log=tracker)
+    final = evaluate(draft, head, eval_batches, cfg.train)
+    final.update({"steps": cfg.train.steps, "eval_samples": len(eval_rows), "train_samples": len(train_rows)})
+    with atomic_dir(layout.draft_dir) as tmp:
+        save_draft(tmp, draft, provenance)
+    write_json_atomic(out / "metrics.json", final)
+    tracker.close(final)
+    return final
+

@@ -1,0 +1,117 @@
+"""The draft's training step on a GPU at real shapes: tokens/s, peak memory, MFU by sequence length.
+
+    python -m bench.bench_train_gpu                 # Llama-3.1-8B draft shapes, seq 2048/4096/8192
+    python -m bench.bench_train_gpu --small --device cpu --seq 128 256   # a smoke run anywhere
+
+Shapes (default): hidden 4096, 32/8 heads, intermediate 14336, vocab 128256, draft vocab
+32000, batch 1, TTT 7, bf16 autocast, random weights and data; the attention backend is the
+one training uses (`auto`: flex_attention on CUDA). MFU is 3x the draft's forward matmul
+FLOPs plus the target head's forward, over a bf16 matmul measured in the same run (the
+machine's reachable peak, not the datasheet's). A sequence length that runs out of memory
+is reported as such and the others still run. SpecForge's figures for the same shapes are
+in the training issue; run its trainer beside this one in the same session to compare.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from eagle3.draft_config import DraftConfig
+from eagle3.modeling import Eagle3Draft
+from eagle3.target_head import TargetHead
+from eagle3.training import LoopConfig, make_optimizer, train_step
+from eagle3.ttt import TTTConfig
+
+
+def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 10) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    a @ b  # warm-up
+    sync(device)
+    started = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - started) / 1e12
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_flops(cfg: DraftConfig, tokens: int, ttt: int) -> float:
+    """3x the draft's forward matmul FLOPs over `ttt` steps, plus the target head's forward."""
+    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_token = 2 * (2 * h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size + h * cfg.draft_vocab_size)
+    fuse = 2 * cfg.num_aux * cfg.target_hidden_size * h
+    attention = 2 * 2 * tokens * q / 2  # causal scores and values, per token (half the square)
+    head = 2 * cfg.target_hidden_size * cfg.vocab_size
+    return 3 * tokens * (fuse + ttt * (per_token + attention)) + tokens * head
+
+
+def run_one(cfg: DraftConfig, seq: int, ttt: int, device: torch.device, steps: int) -> dict:
+    g = torch.Generator(device=device).manual_seed(0)
+    b = 1
+    batch = {
+        "input_ids": torch.randint(0, cfg.vocab_size, (b, seq), generator=g, device=device),
+        "loss_mask": torch.ones(b, seq, dtype=torch.long, device=device),
+        "attention_mask": torch.ones(b, seq, dtype=torch.bool, device=device),
+        "aux": torch.randn(b, seq, cfg.num_aux * cfg.target_hidden_size, generator=g, device=device).bfloat16(),
+        "final": torch.randn(b, seq, cfg.target_hidden_size, generator=g, device=device).bfloat16(),
+    }
+    head = TargetHead(torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=g, device=device).bfloat16()
+                      * 0.02)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(cfg).to(device)
+    loop = LoopConfig(steps=steps + 1, ttt=TTTConfig(length=ttt), compute_dtype="bfloat16")
+    opt = make_optimizer(draft, loop.optim)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    train_step(draft, head, batch, loop, opt, 0, loop.steps)  # warm-up (and compilation)
+    sync(device)
+    started = time.perf_counter()
+    for s in range(steps):
+        train_step(draft, head, batch, loop, opt, s + 1, loop.steps)
+    sync(device)
+    dt = (time.perf_counter() - started) / steps
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    return {"seq": seq, "tokens_per_s": seq / dt, "peak_gib": peak, "tflops": step_flops(cfg, seq, ttt) / dt / 1e12}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seq", type=int, nargs="*", default=[2048, 4096, 8192])
+    ap.add_argument("--ttt", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--small", action="store_true", help="a 256-wide draft (smoke run)")
+    a = ap.parse_args()
+    device = torch.device(a.device)
+    if a.small:
+        cfg = DraftConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                          intermediate_size=512, vocab_size=4096, draft_vocab_size=1024, target_hidden_size=256,
+                          target_num_layers=8, capture_layer_ids=[1, 3, 5])
+    else:
+        cfg = DraftConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                          intermediate_size=14336, vocab_size=128256, draft_vocab_size=32000,
+                          target_hidden_size=4096, target_num_layers=32, capture_layer_ids=[1, 15, 28])
+    peak = matmul_tflops(device, n=8192 if device.type == "cuda" else 1024, reps=10 if device.type == "cuda" else 2)
+    print(f"device {device}; bf16 matmul {peak:.1f} TFLOP/s measured")
+    print("| seq len | tokens/s | peak GiB | MFU |")
+    print("|---|---|---|---|")
+    for seq in a.seq:
+        try:
+            r = run_one(cfg, seq, a.ttt, device, a.steps)
+        except torch.OutOfMemoryError:
+            print(f"| {seq} | out of memory | - | - |")
+            torch.cuda.empty_cache()
+            continue
+        mfu = f"{r['tflops'] / peak:.0%}" if device.type == "cuda" else "n/a on CPU"
+        print(f"| {seq} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} | {mfu} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The GPU presets compose and load (Hydra + the strict schema) with the values they promise."""
+from __future__ import annotations
+
+import pytest
+
+from eagle3.layer_ids import check_sglang_servable, sglang_layer_inputs
+from eagle3.schema import ConfigError
+from workflows.core.config import STAGES, compose
+
+
+def test_kimi_target_preset():
+    cfg = compose(["target=kimi_k25_int4"])
+    t = cfg.target
+    assert (t.name, t.model_type, t.num_layers, t.hidden_size, t.tp_size) == ("kimi_k25_int4", "deepseek_v3", 61,
+                                                                              7168, 8)
+    assert t.capture_ids == [1, 29, 57] and sglang_layer_inputs(t.capture_ids, t.model_type) == [2, 30, 58]
+    assert t.trust_remote_code and cfg.run_dir == "runs/kimi_k25_int4"
+
+
+def test_llama_target_preset():
+    t = compose(["target=llama31_8b"]).target
+    assert (t.name, t.num_layers, t.hidden_size, t.vocab_size, t.tp_size) == ("llama31_8b", 32, 4096, 128256, 1)
+    assert t.capture_ids == [1, 15, 28] and sglang_layer_inputs(t.capture_ids, "llama") == [2, 16, 29]
+
+
+def test_kimi_experiment_one_node_of_eight_gpus():
+    cfg = compose(["+experiment=kimi_k25"])
+    assert cfg.target.name == "kimi_k25_int4" and cfg.target.tp_size == 8
+    assert cfg.target.capture_ids == [1, 29, 57]
+    assert (cfg.data.backend, cfg.data.num_engines, cfg.data.max_length) == ("sglang", 1, 8192)
+    assert (cfg.capture.backend, cfg.capture.actors, cfg.capture.gpus_per_actor) == ("sglang", 1, 8)
+    t = cfg.train
+    assert (t.ttt.length, t.ttt.noise.kind, t.ttt.noise.std) == (5, "gaussian", 0.05)
+    assert (t.max_seq_len, t.num_workers, t.gpus_per_worker) == (8192, 4, 1)
+    assert t.acceptance_k <= t.ttt.length and list(cfg.stages) == list(STAGES)
+    # Command-line overrides still win over the experiment.
+    assert compose(["+experiment=kimi_k25", "train.ttt.length=7"]).train.ttt.length == 7
+
+
+def test_kimi_layer_variant_trains_but_is_not_exported():
+    cfg = compose(["+experiment=kimi_k25_layers_m1_2_30"])
+    assert cfg.target.capture_ids == [-1, 2, 30] and cfg.run_dir == "runs/kimi_k25_int4_layers_m1_2_30"
+    assert (cfg.train.ttt.length, cfg.train.max_seq_len, cfg.train.num_workers, cfg.capture.gpus_per_actor) == (
+        5, 8192, 4, 8)  # everything else as kimi_k25
+    assert list(cfg.stages) == ["target", "generate", "capture", "vocab", "train"]
+    # Why it stops there: the export stage's check refuses these ids for a DeepSeek-V3 target.
+    with pytest.raises(ConfigError, match=r"inputs of layers \[-1, 2, 30\]"):
+        check_sglang_servable(cfg.target.capture_ids, cfg.target.num_layers, cfg.target.model_type)
+    check_sglang_servable(compose(["+experiment=kimi_k25"]).target.capture_ids, 61, "deepseek_v3")
+
+
+def test_llama_experiment_one_gpu():
+    cfg = compose(["+experiment=llama31_8b"])
+    assert cfg.target.name == "llama31_8b" and cfg.target.tp_size == 1
+    assert (cfg.data.backend, cfg.capture.backend, cfg.capture.gpus_per_actor) == ("sglang", "sglang", 1)
+    assert (cfg.train.num_workers, cfg.train.gpus_per_worker) == (1, 1)
+    assert cfg.run_dir == "runs/llama31_8b"

@@ -1,0 +1,224 @@
+"""Training from the store on Ray Train + DeepSpeed: exact resume after SIGKILL, DeepSpeed
+against the plain loop, resume refusals, corrupt shards. On the tiny target, CPU, fp32."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3.schema import ConfigError
+from storage.store import StoreError
+from workflows import full
+from workflows.core.config import compose
+from workflows.train import stage as train_stage
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def overrides(tiny_target, run_dir, *extra) -> list[str]:
+    return ["target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={run_dir}", "mixture=bundled",
+            "data.limit=16", "data.max_new_tokens=24", "data.heldout_fraction=0.25", "capture.shard_samples=4",
+            "data.dtype=float32", "capture.dtype=float32", "train.capture_dtype=float32",
+            "train.compute_dtype=float32", "train.optim.lr=3e-3", "cluster.dashboard=false",
+            "train.packing=false", "train.batch_size=2", *extra]
+
+
+@pytest.fixture(scope="module")
+def captured(tiny_target, tmp_path_factory):
+    """A run folder with the corpus, the store (3 train + 1 held-out shards) and the vocab."""
+    run_dir = tmp_path_factory.mktemp("captured")
+    full.run(compose(overrides(tiny_target, run_dir, "stages=[target,generate,capture,vocab]")))
+    return run_dir
+
+
+def copy_run(captured: Path, dest: Path) -> Path:
+    shutil.copytree(captured, dest, ignore=shutil.ignore_patterns("train", "multirun"))
+    return dest
+
+
+def records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl without the wall-clock figures."""
+    lines = (run_dir / "train" / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"} for line in lines if line.strip()]
+
+
+def train_command(tiny_target, run_dir, *extra) -> list[str]:
+    return [sys.executable, "-m", "workflows.train", *overrides(tiny_target, run_dir, *extra)]
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    file = run_dir / "train" / "metrics.jsonl"
+    if not file.exists():
+        return []
+    return [json.loads(line)["step"] for line in file.read_text().splitlines() if line.strip()]
+
+
+def wait_for_session_to_end(session_id: int, timeout: float = 60) -> None:
+    """Ray's processes share the killed driver's fate; wait until none of its session is left."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = subprocess.run(["pgrep", "-s", str(session_id)], capture_output=True, text=True).stdout.split()
+        if not alive:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"processes of session {session_id} still alive after SIGKILL: {alive}")
+
+
+@pytest.mark.slow
+def test_sigkill_mid_epoch_then_resume_is_bit_exact(tiny_target, captured, tmp_path):
+    """Two Ray Train workers; a real SIGKILL of the run's process group between two
+    checkpoints; the rerun's steps (losses, grad norms, accuracies, held-out figures) and
+    final weights equal an uninterrupted run's exactly."""
+    args = ("train.steps=24", "train.checkpoint_every=8", "train.eval_every=8", "train.log_every=1",
+            "train.num_workers=2")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    reference = copy_run(captured, tmp_path / "reference")
+    subprocess.run(train_command(tiny_target, reference, *args), cwd=ROOT, env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    killed = copy_run(captured, tmp_path / "killed")
+    log = open(tmp_path / "killed.log", "w")
+    proc = subprocess.Popen(train_command(tiny_target, killed, *args), cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        while not logged_steps(killed) or logged_steps(killed)[-1] < 11:  # past the step-8 checkpoint
+            assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    wait_for_session_to_end(proc.pid)
+    assert not (killed / "train" / "DONE.json").exists() and not (killed / "train" / "metrics.json").exists()
+    assert logged_steps(killed)[-1] < 23  # killed mid-run, not after it
+
+    done = subprocess.run(train_command(tiny_target, killed, *args), cwd=ROOT, env=env, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "resuming at step 8" in done.stdout + done.stderr
+    got, want = records(killed), records(reference)
+    assert [r["step"] for r in want] == list(range(24))
+    assert got == want
+    a = load_file(str(reference / "train" / "draft" / "draft.safetensors"))
+    b = load_file(str(killed / "train" / "draft" / "draft.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_deepspeed_on_one_worker_matches_the_plain_loop(tiny_target, captured, tmp_path):
+    """The same data and seed: Ray Train + DeepSpeed (one worker) steps like torch AdamW."""
+    args = ("train.steps=6", "train.checkpoint_every=0", "train.eval_every=6", "train.log_every=1")
+    ray_run = copy_run(captured, tmp_path / "ray")
+    plain = copy_run(captured, tmp_path / "plain")
+    full.run(compose(overrides(tiny_target, ray_run, "stages=[train]", "train.num_workers=1", *args)))
+    full.run(compose(overrides(tiny_target, plain, "stages=[train]", "train.backend=local", *args)))
+    got, want = records(ray_run), records(plain)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(6))
+    for g, w in zip(got, want):
+        assert g["tokens"] == w["tokens"] and g["lr"] == w["lr"]
+        torch.testing.assert_close(g["loss"], w["loss"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g["grad_norm"], w["grad_norm"], rtol=1e-4, atol=1e-6)
+    m_ray = json.loads((ray_run / "train" / "metrics.json").read_text())
+    m_plain = json.loads((plain / "train" / "metrics.json").read_text())
+    assert abs(m_ray["acceptance_walk"] - m_plain["acceptance_walk"]) < 1e-6
+    assert set(m_ray["step_acc_by_position"]) and set(m_ray["acceptance_walk_by_prompt_length"])
+
+
+def test_a_resume_with_changed_settings_is_refused_naming_them(tiny_target, captured, tmp_path):
+    run_dir = copy_run(captured, tmp_path / "run")
+    base = ("stages=[train]", "train.backend=local", "train.eval_every=2", "train.log_every=2")
+    full.run(compose(overrides(tiny_target, run_dir, *base, "train.steps=2")))
+    checkpoint = run_dir / "train" / "checkpoint"
+    assert json.loads((checkpoint / "loop_rank0.json").read_text())["step"] == 2
+    with pytest.raises(ConfigError, match=r"steps: 2 -> 4"):
+        full.run(compose(overrides(tiny_target, run_dir, *base, "train.steps=4")))
+    with pytest.raises(ConfigError, match=r"ttt: .*'length': 7.* -> .*'length': 3"):
+        full.run(compose(overrides(tiny_target, run_dir, *base, "train.steps=2", "train.ttt.length=3",
+                                   "train.acceptance_k=3")))
+    # Starting afresh is explicit; a warm start takes weights only.
+    full.run(compose(overrides(tiny_target, run_dir, *base, "train.steps=4", "train.resume=false")))
+    assert json.loads((checkpoint / "loop_rank0.json").read_text())["step"] == 4
+    warm = copy_run(captured, tmp_path / "warm")
+    full.run(compose(overrides(tiny_target, warm, *base, "train.steps=2",
+                               f"train.init_from={run_dir / 'train' / 'draft'}")))
+    first_warm, first_cold = records(warm)[0], records(run_dir)[0]
+    assert first_warm["loss"] < first_cold["loss"]  # it starts from the trained weights
+
+
+def test_a_corrupt_shard_is_named_or_skipped_and_counted(tiny_target, captured, tmp_path):
+    run_dir = copy_run(captured, tmp_path / "run")
+    from storage.reader import StoreReader
+
+    victim = StoreReader(str(run_dir / "store")).shard_names("train")[1]
+    shutil.rmtree(run_dir / "store" / "shards" / victim / "aux")
+    base = ("stages=[train]", "train.backend=local", "train.steps=2", "train.eval_every=2")
+    with pytest.raises(StoreError, match=victim):
+        full.run(compose(overrides(tiny_target, run_dir, *base)))
+    full.run(compose(overrides(tiny_target, run_dir, *base, "train.on_corrupt_shard=skip")))
+    metrics = json.loads((run_dir / "train" / "metrics.json").read_text())
+    assert list(metrics["skipped_shards"]) == [victim]
+
+
+def test_training_refuses_a_store_of_other_settings(tiny_target, captured, tmp_path):
+    run_dir = copy_run(captured, tmp_path / "run")
+    cfg = compose(overrides(tiny_target, run_dir, "stages=[train]", "train.backend=local", "train.steps=2",
+                            "target.hidden_size=96"))
+    with pytest.raises(Exception, match="hidden_size"):
+        train_stage.run(cfg, tiny_target)
+
+
+@pytest.mark.gpu
+def test_the_trainer_runs_on_the_device_it_is_given(tiny_target, captured, tmp_path, device):
+    """The plain trainer on CUDA where there is one (else the CPU): store batches, the target
+    head, the noise generator and the evaluation all follow `train.device`."""
+    runs = {}
+    for name in ("cpu", device.type):
+        run_dir = copy_run(captured, tmp_path / f"run-{name}-{len(runs)}")
+        full.run(compose(overrides(tiny_target, run_dir, "stages=[train]", "train.backend=local", "train.steps=3",
+                                   "train.eval_every=3", "train.log_every=1", f"train.device={name}")))
+        runs[len(runs)] = (records(run_dir), json.loads((run_dir / "train" / "metrics.json").read_text()))
+    (cpu_records, cpu_final), (dev_records, dev_final) = runs[0], runs[1]
+    assert [r["tokens"] for r in dev_records] == [r["tokens"] for r in cpu_records]
+    for a, b in zip(dev_records, cpu_records):  # fp32 on both; kernels differ by rounding only
+        torch.testing.assert_close(a["loss"], b["loss"], rtol=1e-4, atol=1e-5)
+    assert dev_final["walk_passes"] == cpu_final["walk_passes"] or device.type == "cuda"
+
+
+def test_a_resumed_run_keeps_its_wandb_run_id(tmp_path, monkeypatch):
+    from workflows.train.tracking import wandb_run_id
+
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    first = wandb_run_id(tmp_path, resume_step=0)
+    assert wandb_run_id(tmp_path, resume_step=8) == first  # a resume continues the same W&B run
+    assert wandb_run_id(tmp_path, resume_step=0) != first  # a fresh start is a new run
+    monkeypatch.setenv("WANDB_RUN_ID", "trial7")  # a sweep agent names its trial's run
+    assert wandb_run_id(tmp_path, resume_step=0) == "trial7" == wandb_run_id(tmp_path, resume_step=8)
+
+
+def test_the_target_head_and_embeddings_are_read_alone_and_equal_the_models(tiny_target, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from eagle3.target_head import TargetHead
+    from workflows.core.target_weights import TargetWeightsError, read_embeddings, read_target_head
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    assert torch.equal(read_embeddings(tiny_target).float(), model.get_input_embeddings().weight)
+    final = torch.randn(2, 5, model.config.hidden_size)
+    ids = torch.arange(0, model.config.vocab_size, 4)
+    for normed in (True, False):  # pre-norm states go through the target's own final norm
+        want = TargetHead.from_hf(model, final_is_normed=normed)(final, ids)
+        got = read_target_head(tiny_target, final_is_normed=normed).float()(final, ids)
+        torch.testing.assert_close(got[0], want[0])
+        assert torch.equal(got[1], want[1])
+    empty = tmp_path / "no_weights"
+    empty.mkdir()
+    with pytest.raises(TargetWeightsError, match="no model.safetensors"):
+        read_embeddings(empty)

@@ -1,0 +1,175 @@
+"""Training batches streamed from the store: each worker reads only its own shards.
+
+Per epoch `e` the split's shards are shuffled with a seed of (train seed, e) and dealt out
+round-robin: worker `r` of `W` reads shards `r, r+W, ...` of that order, whole, one at a
+time (storage.reader), samples shuffled inside each shard. With fewer shards than workers,
+every worker reads every shard and keeps every W-th sample instead. A window of samples is
+then turned into batches, either packed (samples concatenated into rows of at most
+`max_seq_len` tokens, attention kept inside each sample: eagle3.target_features.
+pack_samples) or padded (length-sorted groups of `batch_size` samples); the window's
+batches are visited in a seeded order.
+
+Everything is a function of (seed, epoch, rank, world size), so a position, (epoch, batches
+taken in it), is all a checkpoint needs to continue the same stream; the stream never ends
+(epochs follow one another), so every worker always has a next batch and the workers'
+collective calls stay in step. A background thread keeps `prefetch` batches ready, so the
+step does not wait on storage.
+"""
+from __future__ import annotations
+
+import queue
+import random
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from eagle3.target_features import collate_samples, pack_samples
+from workflows.core.errors import InputError
+
+
+@dataclass
+class BatchSettings:
+    batch_size: int = 4  # samples per batch when padding
+    packing: bool = True
+    max_seq_len: int = 2048  # tokens per packed row; longer samples are truncated (counted)
+    rows_per_batch: int = 1  # packed rows per batch
+    window: int = 256  # samples batched together (sorted / packed) before their order is shuffled
+    pad_id: int = 0
+
+
+@dataclass
+class StreamPosition:
+    epoch: int = 0
+    batches: int = 0  # batches already taken from this epoch
+
+    def as_dict(self) -> dict:
+        return {"epoch": self.epoch, "batches": self.batches}
+
+
+@dataclass
+class StreamCounts:
+    """What the stream did, for the run's report."""
+
+    samples: int = 0
+    tokens: int = 0
+    truncated: int = 0
+    skipped_shards: dict = field(default_factory=dict)
+
+
+def my_shards(shards: list[str], seed: int, epoch: int, rank: int, world: int) -> tuple[list[str], bool]:
+    """(shards this worker reads in `epoch`, whether it must stride over samples instead)."""
+    order = sorted(shards)
+    random.Random(f"shards:{seed}:{epoch}").shuffle(order)
+    if len(order) >= world:
+        return order[rank::world], False
+    return order, True
+
+
+def window_batches(samples: list[dict], s: BatchSettings, rng: random.Random, counts: StreamCounts) -> list[dict]:
+    if s.packing:
+        packed = pack_samples(samples, s.max_seq_len, s.pad_id, s.rows_per_batch)
+        counts.truncated += packed.truncated
+        batches = packed.batches
+    else:
+        cut = []
+        for x in samples:
+            if len(x["input_ids"]) > s.max_seq_len:
+                counts.truncated += 1
+                x = {k: (v[: s.max_seq_len] if k != "id" else v) for k, v in x.items()}
+            cut.append(x)
+        cut.sort(key=lambda x: (len(x["input_ids"]), x["id"]))  # little padding inside a batch
+        batches = [collate_samples(cut[i : i + s.batch_size], s.pad_id) for i in range(0, len(cut), s.batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+class BatchStream:
+    """An endless, resumable stream of one worker's training batches (see module doc)."""
+
+    def __init__(self, reader, shards: list[str], settings: BatchSettings, seed: int, rank: int = 0,
+                 world: int = 1, start: StreamPosition | None = None, prefetch: int = 4):
+        if not shards:
+            raise InputError(f"store {reader.store.url}: no committed shard to train on")
+        self.reader, self.shards, self.settings = reader, list(shards), settings
+        self.seed, self.rank, self.world = seed, rank, world
+        self.position = StreamPosition(**(start.as_dict() if start else {}))
+        self.counts = StreamCounts()
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, name="batch-prefetch", daemon=True)
+        self._thread.start()
+
+    def epoch_batches(self, epoch: int) -> Iterator[dict]:
+        names, stride = my_shards(self.shards, self.seed, epoch, self.rank, self.world)
+        rng = random.Random(f"batches:{self.seed}:{epoch}:{self.rank}")
+        window: list[dict] = []
+        for k, sample in enumerate(self.reader.iter_samples(names, seed=hash_seed(self.seed, epoch))):
+            if stride and k % self.world != self.rank:
+                continue
+            window.append(sample)
+            if len(window) == self.settings.window:
+                yield from window_batches(window, self.settings, rng, self.counts)
+                window = []
+        if window:
+            yield from window_batches(window, self.settings, rng, self.counts)
+
+    def _produce(self) -> None:
+        try:
+            epoch, skip = self.position.epoch, self.position.batches
+            while not self._stop.is_set():
+                n = 0
+                for n, batch in enumerate(self.epoch_batches(epoch), start=1):
+                    if n <= skip:  # already trained on before the checkpoint
+                        continue
+                    self._put(("batch", epoch, n, batch))
+                    if self._stop.is_set():
+                        return
+                if n == 0:
+                    raise InputError(f"store {self.reader.store.url}: worker {self.rank} of {self.world} got no "
+                                     f"sample from shards {self.shards[:4]}...; fewer samples than workers?")
+                epoch, skip = epoch + 1, 0
+        except BaseException as exc:  # handed to the consumer, raised there
+            self._put(("error", 0, 0, exc))
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        kind, epoch, n, payload = self._queue.get()
+        if kind == "error":
+            raise payload
+        self.position = StreamPosition(epoch, n)
+        tokens = int(payload["attention_mask"].sum())
+        self.counts.samples += int(payload["segment_ids"].max(dim=-1).values.add(1).sum())
+        self.counts.tokens += tokens
+        return payload
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def hash_seed(seed: int, epoch: int) -> int:
+    """One integer seed per (train seed, epoch) for the within-shard shuffle."""
+    return (seed * 1_000_003 + epoch) % (2**31)
+
+
+def eval_batches(reader, shards: list[str], batch_size: int, max_seq_len: int, pad_id: int) -> Iterator[dict]:
+    """Held-out batches: one sample per row (so per-sample figures are per row), in store order."""
+    group: list[dict] = []
+    for sample in reader.iter_samples(shards):
+        if len(sample["input_ids"]) > max_seq_len:
+            sample = {k: (v[:max_seq_len] if k != "id" else v) for k, v in sample.items()}
+        group.append(sample)
+        if len(group) == batch_size:
+            yield collate_samples(group, pad_id)
+            group = []
+    if group:
+        yield collate_samples(group, pad_id)

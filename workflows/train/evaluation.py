@@ -1,0 +1,76 @@
+"""Held-out evaluation from the store: loss, per-step accuracy, walk acceptance, broken down.
+
+Besides the totals (eagle3.training.evaluate's figures), two breakdowns say where a draft
+is weak: per-step accuracy by the row's position in its sample (`evaluate.length_buckets`
+as edges: long contexts are where drafts usually fall off), and walk acceptance by the
+sample's prompt length (tokens before the first trained token). Batches hold one sample
+per row (workflows.train.data.eval_batches), so a row is a sample.
+"""
+from __future__ import annotations
+
+import torch
+
+from eagle3.metrics import acceptance
+from eagle3.training import autocast_for, forward_batch
+
+
+def bucket_names(edges: list[int]) -> list[str]:
+    bounds = [0, *edges]
+    return [f"{a}-{b}" for a, b in zip(bounds, bounds[1:])] + [f"{edges[-1]}+"]
+
+
+def bucket_of(value: int, edges: list[int]) -> int:
+    for i, edge in enumerate(edges):
+        if value < edge:
+            return i
+    return len(edges)
+
+
+@torch.no_grad()
+def evaluate_heldout(draft, head, batches, loop_cfg, edges: list[int], device) -> dict:
+    draft.eval()
+    length = loop_cfg.ttt.length
+    names = bucket_names(edges)
+    hits = torch.zeros(length, dtype=torch.float64)
+    counts = torch.zeros(length, dtype=torch.float64)
+    pos_hits = torch.zeros(len(names), length, dtype=torch.float64)
+    pos_counts = torch.zeros(len(names), length, dtype=torch.float64)
+    total, by_prompt, loss_sum, n_batches = None, {}, 0.0, 0
+    for batch in batches:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with autocast_for(loop_cfg.compute_dtype, device):
+            s = forward_batch(draft, head, batch, loop_cfg.ttt, train=False)
+        loss_sum += float(s.loss)
+        n_batches += 1
+        w, c = s.weights.double().cpu(), s.correct.double().cpu()
+        hits += (c * w).sum((0, 1))
+        counts += w.sum((0, 1))
+        positions = batch["position_ids"].cpu()
+        for i in range(len(names)):
+            lo = 0 if i == 0 else edges[i - 1]
+            hi = edges[i] if i < len(edges) else None
+            sel = (positions >= lo) & (positions < hi if hi is not None else True)
+            pos_hits[i] += (c * w * sel[..., None]).sum((0, 1))
+            pos_counts[i] += (w * sel[..., None]).sum((0, 1))
+        correct, loss_mask, attn = s.correct.cpu(), batch["loss_mask"].cpu(), batch["attention_mask"].cpu()
+        segments = batch["segment_ids"].cpu()
+        for b in range(correct.shape[0]):
+            acc = acceptance(correct[b : b + 1], loss_mask[b : b + 1], attn[b : b + 1], loop_cfg.acceptance_k,
+                             segment_ids=segments[b : b + 1])
+            total = acc if total is None else total.merge(acc)
+            trained = loss_mask[b].nonzero()
+            prompt_len = int(trained[0]) if len(trained) else int(attn[b].sum())
+            key = names[bucket_of(prompt_len, edges)]
+            by_prompt[key] = acc if key not in by_prompt else by_prompt[key].merge(acc)
+    if total is None:
+        raise ValueError("held-out evaluation got no batch")
+    rate = lambda h, n: [float(a / b) if b else float("nan") for a, b in zip(h.tolist(), n.tolist())]
+    return {
+        **total.as_dict(),
+        "loss": loss_sum / n_batches,
+        "step_acc": rate(hits, counts),
+        "step_acc_by_position": {names[i]: rate(pos_hits[i], pos_counts[i]) for i in range(len(names))
+                                 if pos_counts[i, 0] > 0},
+        "acceptance_walk_by_prompt_length": {k: {"acceptance_walk": v.walk, "passes": v.passes}
+                                             for k, v in sorted(by_prompt.items(), key=lambda kv: names.index(kv[0]))},
+    }

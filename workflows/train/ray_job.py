@@ -1,0 +1,115 @@
+"""Training on Ray Train: `train.num_workers` workers, each a DeepSpeed engine over the draft.
+
+Ray Train (V2 `TorchTrainer`) starts the workers with their process group (gloo on CPU,
+NCCL with `train.gpus_per_worker > 0`), and owns the checkpoints: each worker hands its
+part to `ray.train.report`, and a rerun of the same run folder finds them in
+`train/ray/draft/` and gives each worker the latest through `ray.train.get_checkpoint()`.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from workflows.core.cli import log
+from workflows.core.cluster import ensure_ray
+from workflows.core.errors import USER_ERRORS
+from workflows.train import checkpoint as ckpt
+from workflows.train.trainer import Trainer, TrainJob
+
+
+def train_worker(loop_config: dict) -> None:
+    """What every Ray Train worker runs."""
+    import ray.train
+    import torch
+
+    job = TrainJob(**loop_config["job"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    threads = loop_config.get("threads")
+    if threads:
+        torch.set_num_threads(threads)
+    device = ray.train.torch.get_device() if loop_config.get("use_gpu") else torch.device("cpu")
+    trainer = Trainer(job, rank, world, device)
+    checkpoint = ray.train.get_checkpoint()
+
+    def report(metrics: dict, folder: Path) -> None:
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(folder)))
+
+    if checkpoint is None:
+        trainer.fit(None, report)
+        return
+    with checkpoint.as_directory() as folder:
+        restore = Path(folder)
+        trainer.fit(restore, report)
+
+
+def trainer_class():
+    """Ray's TorchTrainer without its placement-group cleaner.
+
+    Ray 2.60's V2 trainer starts a detached `PlacementGroupCleaner` that polls the state API
+    for the controller and removes the workers' placement group when the controller looks
+    dead. The state API lives in the dashboard: without one (`cluster.dashboard=false`) or
+    on a loaded machine the poll can come back empty, and the cleaner then killed a healthy
+    run mid-step ("Destroying worker since its placement group was removed", seen here on a
+    busy 2-core machine). The controller removes its placement group itself when a run ends
+    or fails, and our driver owns the controller (its death takes the run down), so the
+    cleaner only covers a controller dying alone; we do without it. Ray is pinned exactly.
+    """
+    from ray.train.torch import TorchTrainer
+
+    class Trainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            return [c for c in super()._create_default_callbacks()
+                    if type(c).__name__ != "PlacementGroupCleanerCallback"]
+
+    return Trainer
+
+
+def run_with_ray(cfg, job: TrainJob, train_dir: Path) -> None:
+    import ray.train
+    from ray.train.torch import TorchConfig
+
+    TorchTrainer = trainer_class()
+    t = cfg.train
+    ensure_ray(cfg.cluster)
+    use_gpu = t.gpus_per_worker > 0
+    resources = {"CPU": t.cpus_per_worker, **({"GPU": t.gpus_per_worker} if use_gpu else {})}
+    trainer = TorchTrainer(
+        train_worker,
+        train_loop_config={"job": job.as_dict(), "use_gpu": use_gpu, "threads": max(1, int(t.cpus_per_worker))},
+        scaling_config=ray.train.ScalingConfig(num_workers=t.num_workers, use_gpu=use_gpu,
+                                               resources_per_worker=resources),
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        run_config=ray.train.RunConfig(
+            name=ckpt.RAY_RUN_NAME, storage_path=str(ckpt.ray_run_dir(train_dir).parent),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=t.keep_checkpoints,
+                                                         checkpoint_score_attribute="acceptance_walk",
+                                                         checkpoint_score_order="max"),
+            failure_config=ray.train.FailureConfig(max_failures=0),
+        ),
+    )
+    log(f"train: Ray Train, {t.num_workers} worker(s) x {resources}, DeepSpeed ZeRO stage {t.zero_stage}")
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    try:
+        trainer.fit()
+    except Exception as exc:  # a worker's own error reads better than Ray's wrapper
+        cause = root_cause(exc)
+        if isinstance(cause, USER_ERRORS):
+            raise cause from None
+        raise
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The innermost exception a worker raised, through Ray's wrappers."""
+    seen = set()
+    while id(exc) not in seen:
+        seen.add(id(exc))
+        inner = getattr(exc, "worker_failures", None)
+        if isinstance(inner, dict) and inner:
+            exc = next(iter(inner.values()))
+            continue
+        inner = getattr(exc, "cause", None) or exc.__cause__
+        if inner is None:
+            break
+        exc = inner
+    return exc

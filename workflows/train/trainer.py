@@ -1,0 +1,288 @@
+"""The trainer: one flat loop over the store's stream, the same on every worker.
+
+`Trainer.fit` is run by each Ray Train worker with DeepSpeed doing the optimizer step
+(`DeepSpeedStep`: ZeRO stage, bf16, gradient accumulation and clipping from the config),
+or alone in this process with a plain torch AdamW (`PlainStep`, the reference the tests
+compare DeepSpeed against). Per optimizer step: the learning rate of the warmup + cosine
+schedule, `grad_accum` micro-batches from this worker's stream (workflows.train.data),
+the TTT forward and loss of eagle3.training, one optimizer step. Every `eval_every` steps
+rank 0 evaluates the store's held-out shards; every `checkpoint_every` steps every rank
+saves its part (workflows.train.checkpoint) with the loop state, so that a resume
+continues the same data, noise and schedule bit for bit.
+
+A job (`TrainJob`) carries only plain values with absolute paths: it crosses Ray to
+workers that may run on another node of the cluster.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagle3.modeling import Eagle3Draft
+from eagle3.schema import from_dict
+from workflows.core.target_weights import read_embeddings, read_target_head
+from eagle3.training import autocast_for, forward_batch, lr_at, make_optimizer
+from storage.reader import StoreReader
+from workflows.core.cli import log
+from workflows.core.config import FullConfig
+from workflows.core.draft_files import load_draft_weights, save_draft
+from workflows.core.layout import RunLayout
+from workflows.core.markers import atomic_dir, write_json_atomic
+from workflows.train import checkpoint as ckpt
+from workflows.train.data import BatchSettings, BatchStream, StreamPosition, eval_batches
+from workflows.train.evaluation import evaluate_heldout
+from workflows.train.tracking import Tracker
+
+
+@dataclass
+class TrainJob:
+    config: dict  # the FullConfig, run_dir and cache_dir absolute
+    target_path: str
+    store_url: str
+    storage_options: dict
+    expect: dict  # the capture contract the store must meet (workflows.core.provenance)
+    final_is_normed: bool
+    provenance: dict  # what the draft files carry
+    resume_fields: dict  # what a resume must not change (workflows.train.checkpoint)
+    train_shards: list[str]
+    heldout_shards: list[str]
+    backend: str  # "deepspeed" (a Ray Train worker) or "plain" (this process)
+    pad_id: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def batch_settings(train, pad_id: int) -> BatchSettings:
+    return BatchSettings(batch_size=train.batch_size, packing=train.packing, max_seq_len=train.max_seq_len,
+                         rows_per_batch=train.rows_per_batch, window=train.shuffle_window, pad_id=pad_id)
+
+
+def build_draft(cfg: FullConfig, target_path: str, vocab) -> Eagle3Draft:
+    """The draft at its seeded initialisation, with the target's embeddings and the vocab map;
+    the same on every worker."""
+    torch.manual_seed(cfg.seed)
+    draft = Eagle3Draft(cfg.draft.build(cfg.target, vocab.d2t.numel()))
+    draft.load_target_embeddings(read_embeddings(Path(target_path)).float())
+    draft.set_vocab_mapping(vocab.d2t, vocab.t2d)
+    if cfg.train.init_from:  # warm start: weights only, a fresh optimizer and schedule
+        load_draft_weights(Path(cfg.train.init_from), draft)
+    return draft
+
+
+class PlainStep:
+    """torch AdamW + clipping in this process: the reference optimizer step."""
+
+    def __init__(self, draft, cfg):
+        self.module = draft
+        self.optimizer = make_optimizer(draft, cfg.train.optim)
+        self.clip = cfg.train.optim.grad_clip
+
+    def step(self, head, micro_batches, lr, loop_cfg, generator):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.module.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        scores = []
+        for batch in micro_batches:
+            with autocast_for(loop_cfg.compute_dtype, batch["input_ids"].device):
+                s = forward_batch(self.module, head, batch, loop_cfg.ttt, train=True, generator=generator)
+            (s.loss / len(micro_batches)).backward()
+            scores.append(s)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.clip))
+        self.optimizer.step()
+        return scores, grad_norm
+
+    def save(self, folder: Path) -> None:
+        torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
+
+    def load(self, folder: Path) -> None:
+        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu"))
+
+
+class DeepSpeedStep:
+    """A DeepSpeed engine over the draft, with a torch AdamW (no C++ op built at run time)."""
+
+    TAG = "deepspeed"
+
+    def __init__(self, draft, cfg, world: int):
+        import deepspeed
+
+        # DeepSpeed would JIT-build its shared-memory all-reduce for CPU workers (minutes,
+        # and a compiler on every node); gloo does the job. Pinned DeepSpeed: 0.19.8.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        t = cfg.train
+        ds_config = {
+            "train_micro_batch_size_per_gpu": t.batch_size,
+            "gradient_accumulation_steps": t.grad_accum,
+            "train_batch_size": t.batch_size * t.grad_accum * world,
+            "gradient_clipping": t.optim.grad_clip,
+            "zero_optimization": {"stage": t.zero_stage},
+            "bf16": {"enabled": t.compute_dtype == "bfloat16"},
+            "steps_per_print": 1 << 30,
+            "wall_clock_breakdown": False,
+        }
+        optimizer = make_optimizer(draft, t.optim)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=draft, optimizer=optimizer, config=ds_config,
+                                                                 dist_init_required=False)
+        self.base_optimizer = optimizer
+        self.module = self.engine.module
+
+    def step(self, head, micro_batches, lr, loop_cfg, generator):
+        for group in self.base_optimizer.param_groups:
+            group["lr"] = lr
+        self.engine.train()
+        scores = []
+        for batch in micro_batches:
+            with autocast_for(loop_cfg.compute_dtype, batch["input_ids"].device):
+                s = forward_batch(self.module, head, batch, loop_cfg.ttt, train=True, generator=generator)
+            self.engine.backward(s.loss)
+            self.engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
+            scores.append(s)
+        grad_norm = self.engine.get_global_grad_norm()
+        return scores, float(grad_norm) if grad_norm is not None else float("nan")
+
+    def save(self, folder: Path) -> None:
+        self.engine.save_checkpoint(str(folder), tag=self.TAG)
+
+    def load(self, folder: Path) -> None:
+        self.engine.load_checkpoint(str(folder), tag=self.TAG, load_optimizer_states=True,
+                                    load_lr_scheduler_states=False)
+
+
+class Trainer:
+    def __init__(self, job: TrainJob, rank: int = 0, world: int = 1, device: torch.device | None = None):
+        self.job, self.rank, self.world = job, rank, world
+        self.cfg = cfg = from_dict(FullConfig, job.config, "config")
+        self.loop_cfg = cfg.train
+        self.device = device or torch.device(cfg.train.device if job.backend == "plain" else "cpu")
+        self.layout = RunLayout.of(cfg)
+        vocab, _ = self.layout.read_vocab()
+        draft = build_draft(cfg, job.target_path, vocab).to(self.device)
+        head_dtype = torch.bfloat16 if cfg.train.compute_dtype == "bfloat16" else torch.float32
+        self.head = read_target_head(Path(job.target_path), job.final_is_normed).to(self.device, head_dtype)
+        self.reader = StoreReader(job.store_url, job.storage_options, expect=job.expect,
+                                  on_corrupt=cfg.train.on_corrupt_shard)
+        self.opt = DeepSpeedStep(draft, cfg, world) if job.backend == "deepspeed" else PlainStep(draft, cfg)
+        self.draft = self.opt.module
+        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed + rank)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict:
+        t = self.loop_cfg
+        batches = eval_batches(self.reader, self.job.heldout_shards or self.job.train_shards, t.batch_size,
+                               t.max_seq_len, self.job.pad_id)
+        return evaluate_heldout(self.draft, self.head, batches, t, self.cfg.evaluate.length_buckets, self.device)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self, restore_from: Path | None, report=None) -> dict | None:
+        """Train to `train.steps` (from the checkpoint in `restore_from`, if any). `report`
+        (Ray's) is called with each checkpoint folder; without it checkpoints go to the
+        plain checkpoint folder. Returns the final evaluation on rank 0."""
+        t = self.loop_cfg
+        start, position, best = 0, StreamPosition(), None
+        if restore_from is not None:
+            state = ckpt.read_loop_state(restore_from, self.rank, self.job.resume_fields)
+            self.opt.load(restore_from)
+            if self.job.backend == "plain":
+                load_draft_weights(restore_from / ckpt.DRAFT, self.draft)
+            self.generator.set_state(state["generator"])
+            start, position = state["step"], StreamPosition(**state["position"])
+            best = state.get("best")
+            if self.rank == 0:
+                log(f"train: resuming at step {start} (epoch {position.epoch}, batch {position.batches})")
+        stream = BatchStream(self.reader, self.job.train_shards, batch_settings(t, self.job.pad_id), self.cfg.seed,
+                             self.rank, self.world, start=position, prefetch=t.prefetch_batches)
+        tracker = Tracker(self.cfg, self.layout.stage_dir("train"), resume_step=start) if self.rank == 0 else None
+        last_eval: dict | None = None
+        t0, tokens_since = time.perf_counter(), 0
+        try:
+            for step in range(start, t.steps):
+                micro = [{k: v.to(self.device, non_blocking=True) for k, v in next(stream).items()}
+                         for _ in range(t.grad_accum)]
+                lr = lr_at(step, t.steps, t.optim)
+                scores, grad_norm = self.opt.step(self.head, micro, lr, t, self.generator)
+                tokens = sum(int(b["attention_mask"].sum()) for b in micro)
+                loss, tokens_all = self._mean_over_workers(sum(float(s.loss.detach()) for s in scores) / len(scores),
+                                                           tokens)
+                tokens_since += tokens_all
+                done = step + 1
+                record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                          "step_acc": [sum(s.step_acc[j] for s in scores) / len(scores) for j in range(t.ttt.length)],
+                          "step_loss": [sum(s.step_loss[j] for s in scores) / len(scores)
+                                        for j in range(t.ttt.length)],
+                          "tokens": tokens_all, "epoch": stream.position.epoch}
+                if done % t.eval_every == 0 or done == t.steps or (t.checkpoint_every and done % t.checkpoint_every == 0):
+                    last_eval = self._evaluate_on_rank0()
+                    record["eval"] = last_eval
+                    if last_eval and (best is None or last_eval["acceptance_walk"] > best["acceptance_walk"]):
+                        best = {"step": done, "acceptance_walk": last_eval["acceptance_walk"]}
+                if tracker is not None and (done % t.log_every == 0 or step == 0 or done == t.steps):
+                    elapsed = time.perf_counter() - t0
+                    record["tokens_per_s"] = tokens_since / max(elapsed, 1e-9)
+                    tracker(record)
+                    t0, tokens_since = time.perf_counter(), 0
+                if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
+                    self._checkpoint(done, stream.position, best, last_eval, report)
+        finally:
+            stream.close()
+        final = self._evaluate_on_rank0() if last_eval is None else last_eval
+        if self.rank == 0:
+            final = {**final, "best": best, "stream": {"samples": stream.counts.samples, "tokens": stream.counts.tokens,
+                                                        "truncated": stream.counts.truncated},
+                     "skipped_shards": dict(self.reader.skipped)}
+            with atomic_dir(self.layout.draft_dir) as tmp:
+                save_draft(tmp, self.draft, self.job.provenance)
+            write_json_atomic(self.layout.stage_dir("train") / "metrics.json", final)
+            tracker.close(final)
+            return final
+        return None
+
+    def _mean_over_workers(self, loss: float, tokens: int) -> tuple[float, int]:
+        if self.world == 1:
+            return loss, tokens
+        import torch.distributed as dist
+
+        t = torch.tensor([loss, float(tokens)], dtype=torch.float64, device=self._comm_device())
+        dist.all_reduce(t)
+        return float(t[0]) / self.world, int(t[1])
+
+    def _comm_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def _evaluate_on_rank0(self) -> dict | None:
+        """Rank 0 evaluates; the others wait for its acceptance (one broadcast)."""
+        result = self.evaluate() if self.rank == 0 else None
+        if self.world > 1:
+            import torch.distributed as dist
+
+            box = [result]
+            dist.broadcast_object_list(box, src=0)
+            result = box[0]
+        return result
+
+    def _checkpoint(self, step: int, position: StreamPosition, best, last_eval, report) -> None:
+        state = {"step": step, "position": position.as_dict(), "best": best,
+                 "generator": ckpt.encode_state(self.generator.get_state()),
+                 "resume_fields": self.job.resume_fields, "world_size": self.world}
+        if report is None:  # the plain backend: one folder, replaced whole
+            with atomic_dir(self.layout.checkpoint_dir) as tmp:
+                self.opt.save(tmp)
+                save_draft(tmp / ckpt.DRAFT, self.draft, self.job.provenance)
+                ckpt.write_loop_state(tmp, self.rank, state)
+            return
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="eagle3-ckpt-") as tmp:
+            folder = Path(tmp)
+            self.opt.save(folder)  # collective: every rank writes its own partition
+            if self.rank == 0:
+                save_draft(folder / ckpt.DRAFT, self.draft, self.job.provenance)
+            ckpt.write_loop_state(folder, self.rank, state)
+            walk = last_eval["acceptance_walk"] if last_eval else float("nan")
+            report({"step": step, "acceptance_walk": walk}, folder)
