@@ -53,3 +53,24 @@ def corpus_rows(run_dir) -> list[dict]:
     from workflows.core.layout import RunLayout
 
     return RunLayout(Path(run_dir), str(Path(run_dir) / "store")).read_corpus()
+
+
+def kill_run(proc, timeout: float = 60) -> None:
+    """SIGKILL a run started with `start_new_session=True`: its process group, then every
+    process left in its session (Ray's raylet and workers are not all in the group, and
+    would otherwise go on working for seconds), until none is left."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], capture_output=True)
+        alive = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        if not alive:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"processes of the killed run's session {proc.pid} still alive: {alive}")

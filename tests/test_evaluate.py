@@ -87,8 +87,8 @@ def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target,
     # report scores the new trained draft, never the stale export.
     retrained = tiny_cfg(tiny_target, tmp_path / "run", "train.steps=30", "evaluate.max_prompts=4",
                          "evaluate.max_new_tokens=20", "evaluate.num_steps=3", "train.acceptance_k=3",
-                   "train.backend=local",
-                         "stages=[train,evaluate]")
+                         "train.backend=local", "stages=[train,evaluate]",
+                         "train.resume=false")  # another step budget: a fresh run, not a resume
     full.run(retrained)
     report = json.loads((tmp_path / "run" / "report" / "report.json").read_text())
     assert report["draft"] == str(tmp_path / "run" / "train" / "draft" / "draft.safetensors")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from eagle3.chat_template import generation_prompt_ids
-from tests.helpers import corpus_rows
+from tests.helpers import corpus_rows, kill_run
 from workflows.core.config import compose
 from workflows.core.engines import EngineSpec, HFEngine
 from workflows.generate import stage as generate
@@ -175,8 +174,7 @@ def test_sigkill_halfway_then_rerun(tiny_target, tmp_path):
     try:
         assert _wait_for(lambda: any(folder.glob("*.done.json")), 300, proc), proc.communicate()[0][-3000:]
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_run(proc)
     before = {p.name: p.read_bytes() for p in folder.glob("*.done.json")}
     assert 1 <= len(before) < 6
     proc = _run_generate(tiny_target, tmp_path, *extra)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -17,9 +16,11 @@ from safetensors.torch import load_file
 
 from eagle3.schema import ConfigError
 from storage.store import StoreError
+from tests.helpers import kill_run
 from workflows import full
 from workflows.core.config import compose
 from workflows.train import stage as train_stage
+from workflows.train.checkpoint import latest_ray_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,17 +63,6 @@ def logged_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in file.read_text().splitlines() if line.strip()]
 
 
-def wait_for_session_to_end(session_id: int, timeout: float = 60) -> None:
-    """Ray's processes share the killed driver's fate; wait until none of its session is left."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = subprocess.run(["pgrep", "-s", str(session_id)], capture_output=True, text=True).stdout.split()
-        if not alive:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"processes of session {session_id} still alive after SIGKILL: {alive}")
-
-
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_is_bit_exact(tiny_target, captured, tmp_path):
     """Two Ray Train workers; a real SIGKILL of the run's process group between two
@@ -90,20 +80,20 @@ def test_sigkill_mid_epoch_then_resume_is_bit_exact(tiny_target, captured, tmp_p
     proc = subprocess.Popen(train_command(tiny_target, killed, *args), cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        while not logged_steps(killed) or logged_steps(killed)[-1] < 11:  # past the step-8 checkpoint
+        # Past the step-8 checkpoint, and Ray has recorded it (its snapshot names it).
+        while (not logged_steps(killed) or logged_steps(killed)[-1] < 11
+               or latest_ray_checkpoint(killed / "train") is None):
             assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
             time.sleep(0.05)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    wait_for_session_to_end(proc.pid)
+        kill_run(proc)  # the driver, Ray and both workers, at once
     assert not (killed / "train" / "DONE.json").exists() and not (killed / "train" / "metrics.json").exists()
     assert logged_steps(killed)[-1] < 23  # killed mid-run, not after it
 
     done = subprocess.run(train_command(tiny_target, killed, *args), cwd=ROOT, env=env, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "resuming at step 8" in done.stdout + done.stderr
+    assert "train: resuming from step 8" in done.stdout
     got, want = records(killed), records(reference)
     assert [r["step"] for r in want] == list(range(24))
     assert got == want

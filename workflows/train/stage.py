@@ -124,7 +124,8 @@ def train_from_store(cfg: FullConfig, layout: RunLayout, target_path: Path, iden
             shutil.rmtree(folder, ignore_errors=True)
     latest = ckpt.latest_checkpoint(out, backend)
     if latest is not None:
-        ckpt.check_resumable(latest, fields)  # refused here, before any worker starts
+        state = ckpt.check_resumable(latest, fields)  # refused here, before any worker starts
+        log(f"train: resuming from step {state['step']} ({latest})")
     config = to_dict(cfg)
     # Secrets stay out of what crosses Ray: the store's credentials travel once, in
     # storage_options; the target's env is not needed by the workers.
