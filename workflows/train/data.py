@@ -20,7 +20,7 @@ from __future__ import annotations
 import queue
 import random
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 from eagle3.target_features import collate_samples, pack_samples
@@ -53,7 +53,6 @@ class StreamCounts:
     samples: int = 0
     tokens: int = 0
     truncated: int = 0
-    skipped_shards: dict = field(default_factory=dict)
 
 
 def my_shards(shards: list[str], seed: int, epoch: int, rank: int, world: int) -> tuple[list[str], bool]:

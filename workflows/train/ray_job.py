@@ -7,7 +7,6 @@ part to `ray.train.report`, and a rerun of the same run folder finds them in
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from workflows.core.cli import log
@@ -89,7 +88,6 @@ def run_with_ray(cfg, job: TrainJob, train_dir: Path) -> None:
         ),
     )
     log(f"train: Ray Train, {t.num_workers} worker(s) x {resources}, DeepSpeed ZeRO stage {t.zero_stage}")
-    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     try:
         trainer.fit()
     except Exception as exc:  # a worker's own error reads better than Ray's wrapper
