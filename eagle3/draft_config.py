@@ -23,6 +23,14 @@ class DraftConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
+    # Normalisation of the captured target states before `fc`, as SGLang's
+    # LlamaForCausalLMEagle3 serves it from config.json: `norm_before_fc` = one RMSNorm over
+    # the concatenation (n*H_t, weight `input_norm.weight`), then `fc_norm` = one RMSNorm per
+    # captured state (H_t each, `fc_norm.<i>.weight`). Captured layers differ in scale by
+    # orders of magnitude (deep residual streams grow); without a norm `fc` sees mostly the
+    # loudest layer until it has learnt per-layer scales.
+    norm_before_fc: bool = False
+    fc_norm: bool = False
 
     def validate(self, where: str = "draft") -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -49,6 +57,8 @@ class DraftConfig:
         target: TargetSpec,
         draft_vocab_size: int,
         intermediate_size: int | None = None,
+        norm_before_fc: bool = False,
+        fc_norm: bool = False,
     ) -> "DraftConfig":
         """The usual EAGLE-3 draft: the target's width, heads and rotary settings."""
         shape = target.layer_shape()
@@ -59,6 +69,8 @@ class DraftConfig:
             target_num_layers=target.num_layers,
             capture_layer_ids=target.capture_ids,
             rope_theta=target.rope_theta,
+            norm_before_fc=norm_before_fc,
+            fc_norm=fc_norm,
         )
         cfg.validate()
         return cfg

@@ -1,6 +1,7 @@
 """The EAGLE-3 draft, written to read like the paper and to load in SGLang as is.
 
     h0   = fc(cat(target states of the captured layers))          # n*H_t -> H
+           (optionally normalised first: one RMSNorm over the concatenation, then one per state)
     x    = cat(input_layernorm(embed(token)), hidden_norm(h))     # 2H wide
     a    = h + o_proj(attention(q_proj(x), k_proj(x), v_proj(x)))
     out  = a + mlp(post_attention_layernorm(a))                   # the draft's hidden state
@@ -118,7 +119,12 @@ class Eagle3Draft(nn.Module):
         # A frozen copy of the target's input embeddings (set with `load_target_embeddings`).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        width = cfg.num_aux * cfg.target_hidden_size
+        # SGLang's names: `input_norm` (norm_before_fc) and `fc_norm.<i>` (fc_norm).
+        self.input_norm = RMSNorm(width, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc_norm = (nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux))
+                        if cfg.fc_norm else None)
+        self.fc = nn.Linear(width, cfg.hidden_size, bias=False)
         self.midlayer = DecoderLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -167,7 +173,12 @@ class Eagle3Draft(nn.Module):
                 f"aux hidden states are {aux.shape[-1]} wide, expected {expected} = "
                 f"{self.cfg.num_aux} captured layers x target_hidden_size {self.cfg.target_hidden_size}"
             )
-        return self.fc(aux.to(self.fc.weight.dtype))  # stored states may be bf16
+        aux = aux.to(self.fc.weight.dtype)  # stored states may be bf16
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        if self.fc_norm is not None:
+            aux = torch.cat([norm(part) for norm, part in zip(self.fc_norm, aux.chunk(self.cfg.num_aux, dim=-1))], dim=-1)
+        return self.fc(aux)
 
     def step(self, input_ids, hidden, positions, state: AttentionState) -> torch.Tensor:
         """One drafting step for a block of rows; returns the pre-norm hidden state."""

@@ -17,6 +17,7 @@ import torch
 
 from eagle3.metrics import acceptance
 from eagle3.modeling import Eagle3Draft
+from eagle3.objectives import ObjectiveConfig
 from eagle3.schema import ConfigError, check_ranges
 from eagle3.target_head import TargetHead
 from eagle3.ttt import TTTConfig, add_noise, score_steps, step_weights, unroll
@@ -30,11 +31,14 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     grad_clip: float = 0.5
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    # The cosine's length in steps (null: train.steps). A run stopped early (train.stop_after)
+    # on a longer horizon keeps the learning rates of the longer run.
+    horizon_steps: int | None = None
 
     def validate(self, where: str = "optim") -> None:
         # grad_clip <= 0 would zero every gradient; betas outside [0, 1) diverge.
         check_ranges(self, where, lr=">0", weight_decay=">=0", warmup_steps=">=0", min_lr_ratio="[0,1]",
-                     grad_clip=">0", betas="[0,1)")
+                     grad_clip=">0", betas="[0,1)", horizon_steps=">=1")
         if len(self.betas) != 2:
             raise ConfigError(f"{where}.betas must have two values, got {self.betas}")
 
@@ -43,6 +47,7 @@ class OptimConfig:
 class LoopConfig:
     steps: int = 300
     ttt: TTTConfig = field(default_factory=TTTConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     # bf16 autocast: on GPUs and AMX CPUs the matmuls run several times faster, on CPUs
     # without bf16 units many times slower (bench/bench_train_step.py); fp32 is exact.
@@ -53,6 +58,7 @@ class LoopConfig:
 
     def validate(self, where: str = "train") -> None:
         self.ttt.validate(f"{where}.ttt")
+        self.objective.validate(f"{where}.objective")
         self.optim.validate(f"{where}.optim")
         check_ranges(self, where, steps=">=1", acceptance_k=">=1", log_every=">=1")
         if self.acceptance_k > self.ttt.length:
@@ -63,7 +69,8 @@ class LoopConfig:
 
 
 def lr_at(step: int, total: int, cfg: OptimConfig) -> float:
-    """Linear warmup, then cosine decay to `min_lr_ratio * lr`."""
+    """Linear warmup, then cosine decay to `min_lr_ratio * lr` over `horizon_steps` (or `total`)."""
+    total = cfg.horizon_steps or total
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
@@ -76,7 +83,8 @@ def make_optimizer(draft: Eagle3Draft, cfg: OptimConfig) -> torch.optim.Optimize
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas))
 
 
-def forward_batch(draft, head: TargetHead, batch: dict, ttt: TTTConfig, train: bool, generator=None):
+def forward_batch(draft, head: TargetHead, batch: dict, ttt: TTTConfig, train: bool, generator=None,
+                  objective: ObjectiveConfig | None = None):
     """Unroll and score one batch; returns StepScores (loss differentiable when train).
 
     Packed batches (eagle3.target_features.pack_samples) also carry `position_ids` and
@@ -89,7 +97,8 @@ def forward_batch(draft, head: TargetHead, batch: dict, ttt: TTTConfig, train: b
     hiddens = unroll(draft, batch["input_ids"], aux, batch["attention_mask"], ttt.length,
                      position_ids=batch.get("position_ids"), segment_ids=segments, attention=ttt.attention)
     weights = step_weights(batch["loss_mask"], batch["attention_mask"], ttt.length, segment_ids=segments)
-    return score_steps(draft, hiddens, probs, best, weights, ttt.decay)
+    return score_steps(draft, hiddens, probs, best, weights, ttt.decay, objective,
+                       real_positions=batch["attention_mask"].sum())
 
 
 def autocast_for(dtype: str, device: torch.device):
@@ -102,7 +111,7 @@ def train_step(draft, head, batch, cfg: LoopConfig, optimizer, step: int, total:
     draft.train()
     device = batch["input_ids"].device
     with autocast_for(cfg.compute_dtype, device):
-        scores = forward_batch(draft, head, batch, cfg.ttt, train=True, generator=generator)
+        scores = forward_batch(draft, head, batch, cfg.ttt, train=True, generator=generator, objective=cfg.objective)
     optimizer.zero_grad(set_to_none=True)
     scores.loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -112,6 +121,7 @@ def train_step(draft, head, batch, cfg: LoopConfig, optimizer, step: int, total:
     return {
         "step": step, "loss": float(scores.loss.detach()), "lr": optimizer.param_groups[0]["lr"],
         "grad_norm": float(grad_norm), "step_acc": scores.step_acc, "step_loss": scores.step_loss,
+        "step_alpha": scores.step_alpha,
     }
 
 
@@ -121,18 +131,21 @@ def evaluate(draft, head, batches: Iterable[dict], cfg: LoopConfig) -> dict:
     draft.eval()
     total_acc = None
     hits = [0.0] * cfg.ttt.length
+    alphas = [0.0] * cfg.ttt.length
     counts = [0.0] * cfg.ttt.length
     for batch in batches:
         with autocast_for(cfg.compute_dtype, batch["input_ids"].device):
-            s = forward_batch(draft, head, batch, cfg.ttt, train=False)
+            s = forward_batch(draft, head, batch, cfg.ttt, train=False, objective=cfg.objective)
         for j in range(cfg.ttt.length):
             w = s.weights[..., j]
             hits[j] += float((s.correct[..., j].float() * w).sum())
+            alphas[j] += float(s.step_alpha_t[j]) * float(w.sum())
             counts[j] += float(w.sum())
         acc = acceptance(s.correct, batch["loss_mask"], batch["attention_mask"], cfg.acceptance_k,
                          segment_ids=batch.get("segment_ids"))
         total_acc = acc if total_acc is None else total_acc.merge(acc)
-    out = {"step_acc": [h / c if c else float("nan") for h, c in zip(hits, counts)]}
+    out = {"step_acc": [h / c if c else float("nan") for h, c in zip(hits, counts)],
+           "step_alpha": [a / c if c else float("nan") for a, c in zip(alphas, counts)]}
     if total_acc is not None:
         out.update(total_acc.as_dict())
     return out

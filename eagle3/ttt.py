@@ -28,6 +28,7 @@ import torch
 
 from eagle3.attention import ATTENTION_BACKENDS, make_ttt_attention, segments_from_mask
 from eagle3.modeling import Eagle3Draft
+from eagle3.objectives import ObjectiveConfig, position_loss
 from eagle3.schema import ConfigError, check_ranges
 
 
@@ -107,17 +108,23 @@ def unroll(draft: Eagle3Draft, input_ids, aux, attention_mask, length: int, *,
 
 
 def step_weights(loss_mask: torch.Tensor, attention_mask: torch.Tensor, length: int,
-                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, T, L] float: 1 where row t's step-j prediction (of x_{t+2+j}) is scored: that
-    token is real, under the loss mask, and in row t's own sample (segments are contiguous,
-    so x_{t+1+j} then is too)."""
+                 segment_ids: torch.Tensor | None = None, rows: str = "label") -> torch.Tensor:
+    """[B, T, L] float: 1 where row t's step-j prediction (of x_{t+2+j}) is scored.
+
+    rows="label" (training and our figures): that predicted token is real, under the loss
+    mask, and in row t's own sample (segments are contiguous, so x_{t+1+j} then is too).
+    rows="input" (SpecForge 0.2.0's scored rows, to compare accuracies with it): the row's
+    token x_{t+j} is under the loss mask and the label position t+1+j is in the same sample.
+    The two sets differ by two rows at each end of an answer: ours include the rows that
+    predict the first two answer tokens from the prompt, SpecForge's the two after the answer."""
     m = loss_mask.bool() & attention_mask.bool()
     if segment_ids is None:
         segment_ids = segments_from_mask(attention_mask)
+    trained, label = (2, 2) if rows == "label" else (0, 1)  # shifts of the masked token and of the label
     steps = []
     for j in range(length):
-        same_sample = shift_left(segment_ids, 2 + j, fill=-1) == segment_ids
-        steps.append(shift_left(m, 2 + j) & same_sample)
+        same_sample = (shift_left(segment_ids, label + j, fill=-1) == segment_ids) & (segment_ids >= 0)
+        steps.append(shift_left(m, trained + j) & same_sample)
     return torch.stack(steps, dim=-1).float()
 
 
@@ -126,6 +133,7 @@ class StepScores:
     loss: torch.Tensor  # scalar, decay-weighted sum over steps
     step_loss_t: torch.Tensor  # [L] per-step mean loss (detached, on the batch's device)
     step_acc_t: torch.Tensor  # [L] per-step accuracy
+    step_alpha_t: torch.Tensor  # [L] per-step mean acceptance rate sum_v min(p, q) (eagle3.objectives)
     correct: torch.Tensor  # [B, T, L] bool: draft argmax == target argmax
     weights: torch.Tensor  # [B, T, L]
 
@@ -138,32 +146,46 @@ class StepScores:
     def step_acc(self) -> list[float]:
         return self.step_acc_t.tolist()
 
+    @property
+    def step_alpha(self) -> list[float]:
+        return self.step_alpha_t.tolist()
+
 
 def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
     """-sum_v p(v) log q(v) per position; logits [..., V], probs [..., V] -> [...]."""
     return -(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
 
 
-def score_steps(draft: Eagle3Draft, hiddens, target_probs, target_argmax, weights, decay: float) -> StepScores:
+def score_steps(draft: Eagle3Draft, hiddens, target_probs, target_argmax, weights, decay: float,
+                objective: ObjectiveConfig | None = None, real_positions: torch.Tensor | None = None) -> StepScores:
     """Loss and accuracy of each unrolled step against the target, as defined above.
 
     The label of row t at step j is read at t+1+j; where that is another sample's (packed
-    rows) or padding, `weights` is 0, so it is never scored."""
+    rows) or padding, `weights` is 0, so it is never scored. `objective` picks the loss per
+    position and its averaging (eagle3.objectives; `real_positions`, the batch's count of
+    real tokens, is the denominator of `normalise="positions"`). Accuracy and acceptance
+    rate are always averaged over the scored positions."""
+    objective = objective or ObjectiveConfig()
     total = 0.0
-    step_loss, step_acc, correct = [], [], []
+    step_loss, step_acc, step_alpha, correct = [], [], [], []
     for j, hidden in enumerate(hiddens):
         logits = draft.logits(hidden)
         w = weights[..., j]
         probs = shift_left(target_probs, 1 + j)
         best = shift_left(target_argmax, 1 + j)
         denom = w.sum().clamp_min(1.0)
-        loss_j = (soft_cross_entropy(logits, probs) * w).sum() / denom
+        w_loss = w * draft.t2d[best].to(w.dtype) if objective.skip_unreachable else w
+        loss_denom = (real_positions.to(w.dtype) if objective.normalise == "positions" and real_positions is not None
+                      else w_loss.sum()).clamp_min(1.0)
+        per_position, alpha = position_loss(objective.kind, torch.log_softmax(logits.float(), dim=-1), probs)
+        loss_j = (per_position * w_loss).sum() / loss_denom
         total = total + (decay**j) * loss_j
         hit = draft.draft_to_target(logits.argmax(-1)) == best
         correct.append(hit)
         step_loss.append(loss_j.detach())
         step_acc.append((hit.float() * w).sum() / denom)
+        step_alpha.append((alpha.detach() * w).sum() / denom)
     return StepScores(
         loss=total, step_loss_t=torch.stack(step_loss), step_acc_t=torch.stack(step_acc),
-        correct=torch.stack(correct, dim=-1), weights=weights,
+        step_alpha_t=torch.stack(step_alpha), correct=torch.stack(correct, dim=-1), weights=weights,
     )

@@ -24,7 +24,7 @@ def random_draft(cfg: DraftConfig, seed: int = 0, dtype=torch.float64) -> Eagle3
     draft = Eagle3Draft(cfg)
     with torch.no_grad():
         for name, p in draft.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
+            if "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn_like(p))  # non-trivial norm weights
             else:
                 p.copy_(torch.randn_like(p) * (0.5 / p.shape[-1] ** 0.5) * 3)

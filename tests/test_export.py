@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from eagle3.draft_config import DraftConfig
 from tests.helpers import random_draft
@@ -18,12 +18,12 @@ from workflows.export import export_sglang, export_vllm, speculators_available
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def make_draft_dir(folder: Path, target_path: Path, hidden=64, ids=(0, 2, 4)) -> Path:
+def make_draft_dir(folder: Path, target_path: Path, hidden=64, ids=(0, 2, 4), **norms) -> Path:
     from workflows.core.provenance import target_identity
 
     cfg = DraftConfig(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       intermediate_size=128, vocab_size=1024, draft_vocab_size=256, target_hidden_size=64,
-                      target_num_layers=6, capture_layer_ids=list(ids))
+                      target_num_layers=6, capture_layer_ids=list(ids), **norms)
     draft = random_draft(cfg, dtype=torch.float32)
     chosen = torch.arange(256) * 4  # every 4th target token
     t2d = torch.zeros(1024, dtype=torch.bool)
@@ -61,22 +61,63 @@ def test_doctor_catches_an_export_from_another_draft(tmp_path, tiny_target):
     assert len(errors) == 1 and "says [0, 2, 4]" in errors[0] and "says [-1, 2, 4]" in errors[0]
 
 
+def test_feature_norms_are_exported_and_checked_both_ways(tmp_path, tiny_target):
+    src = make_draft_dir(tmp_path / "draft", tiny_target, fc_norm=True)
+    out = export_sglang(src, tmp_path / "sglang", "float32")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["fc_norm"] is True and cfg["norm_before_fc"] is False
+    assert {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} <= set(load_file(str(out / "model.safetensors")))
+    assert doctor.check([doctor.side_from_draft(src), doctor.side_from_sglang_export(out)]) == []
+    # A draft trained without the norms next to an export that asks for them.
+    plain = make_draft_dir(tmp_path / "plain", tiny_target)
+    errors = doctor.check([doctor.side_from_draft(plain), doctor.side_from_sglang_export(out)])
+    assert any("feature_norms" in e and "fc_norm=False" in e and "fc_norm=True" in e for e in errors), errors
+    # The flag dropped from config.json: SGLang would skip the norm weights without a word.
+    cfg["fc_norm"] = False
+    (out / "config.json").write_text(json.dumps(cfg))
+    errors = doctor.check([doctor.side_from_sglang_export(out)])
+    assert len(errors) == 1 and "fc_norm.0.weight" in errors[0] and "drop them silently" in errors[0], errors
+    # The flag set but a weight missing: SGLang would leave that norm at ones.
+    cfg["fc_norm"] = True
+    (out / "config.json").write_text(json.dumps(cfg))
+    weights = load_file(str(out / "model.safetensors"))
+    del weights["fc_norm.2.weight"]
+    save_file(weights, str(out / "model.safetensors"))
+    errors = doctor.check([doctor.side_from_sglang_export(out)])
+    assert len(errors) == 1 and "lack ['fc_norm.2.weight']" in errors[0], errors
+
+
+def test_draft_section_refuses_both_feature_norms():
+    from eagle3.schema import ConfigError
+    from workflows.core.config import DraftSection
+
+    with pytest.raises(ConfigError, match="draft.fc_norm and draft.norm_before_fc are both set"):
+        DraftSection(fc_norm=True, norm_before_fc=True).validate()
+
+
 @pytest.mark.slow
 def test_sglang_loads_the_export_with_its_own_class(tmp_path, tiny_target):
-    """SGLang's LlamaForCausalLMEagle3 built on CPU; every parameter checked after load_weights."""
-    out = export_sglang(make_draft_dir(tmp_path / "draft", tiny_target, hidden=32), tmp_path / "sglang", "float32")
+    """SGLang's LlamaForCausalLMEagle3 built on CPU; every parameter checked after load_weights
+    (the feature norms' too: SGLang builds them from config.json's flags). One process."""
+    cases = [({}, 10), ({"fc_norm": True}, 13), ({"norm_before_fc": True}, 11)]
+    outs = [export_sglang(make_draft_dir(tmp_path / f"draft{i}", tiny_target, hidden=32, **norms),
+                          tmp_path / f"sglang{i}", "float32") for i, (norms, _) in enumerate(cases)]
     from workflows.core.sglang import with_shim
 
     env = {**with_shim(dict(os.environ)), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "workflows.tools.sglang_load_check", str(out)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("SGLANG_LOAD_CHECK ")), None)
-    assert line is not None, proc.stderr[-3000:]
-    report = json.loads(line.split(" ", 1)[1])
-    assert report["ok"] and proc.returncode == 0, report
-    assert "model.layers.0.self_attn.qkv_proj.weight" in report["checked"]
-    assert "model.layers.0.mlp.gate_up_proj.weight" in report["checked"] and "model.fc.weight" in report["checked"]
-    assert len(report["checked"]) == 10 and report["not_ours"] == ["model.embed_tokens.weight"]
+    proc = subprocess.run([sys.executable, "-m", "workflows.tools.sglang_load_check", *map(str, outs)], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("SGLANG_LOAD_CHECK ")]
+    assert len(lines) == len(cases), proc.stderr[-3000:]
+    assert proc.returncode == 0, lines
+    for line, (norms, params) in zip(lines, cases):
+        report = json.loads(line.split(" ", 1)[1])
+        assert report["ok"], report
+        assert "model.layers.0.self_attn.qkv_proj.weight" in report["checked"]
+        assert "model.layers.0.mlp.gate_up_proj.weight" in report["checked"] and "model.fc.weight" in report["checked"]
+        assert len(report["checked"]) == params and report["not_ours"] == ["model.embed_tokens.weight"], report
+        norm_params = [n for n in report["checked"] if n.startswith(("model.fc_norm.", "model.input_norm."))]
+        assert len(norm_params) == params - 10, report
 
 
 @pytest.mark.slow

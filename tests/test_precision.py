@@ -53,3 +53,21 @@ def test_the_config_defaults_to_auto_and_the_store_records_the_resolved_dtype(mo
     identity = {"path": "/t", "weights_sha256": "w", "tokenizer_sha256": "t", "chat_template_sha256": "c"}
     assert capture_contract(cfg, identity)["engine_dtype"] == "bfloat16"
     assert capture_contract(compose(["target=tiny", "capture.dtype=float32"]), identity)["engine_dtype"] == "float32"
+
+
+@pytest.mark.parametrize("bf16, fp32, overrides, chosen, reason", [
+    (8.0, 55.0, [], "float32", "not the serving dtype bfloat16: it runs slowly on this CPU"),
+    (300.0, 50.0, [], "bfloat16", "the serving dtype"),
+    (8.0, 55.0, ["evaluate.dtype=bfloat16"], "bfloat16", "evaluate.dtype=bfloat16"),
+    (300.0, 50.0, ["evaluate.dtype=float32"], "float32", "evaluate.dtype=float32 (serving: bfloat16)"),
+    (8.0, 55.0, ["target=tiny"], "float32", "the serving dtype"),  # the tiny target is served in fp32
+])
+def test_evaluation_runs_in_the_serving_dtype_where_it_is_fast(monkeypatch, bf16, fp32, overrides, chosen, reason):
+    from workflows.core.config import compose
+    from workflows.evaluate import evaluation_dtype
+
+    monkeypatch.setattr(precision, "matmul_gflops", lambda dtype: bf16 if dtype == "bfloat16" else fp32)
+    cfg = compose(overrides)  # the default target (SmolLM2) is served in bf16
+    assert cfg.evaluate.dtype == next((o.split("=")[1] for o in overrides if o.startswith("evaluate.")), "auto")
+    dtype, why = evaluation_dtype(cfg)
+    assert dtype == chosen and why.startswith(reason), why

@@ -62,9 +62,11 @@ def test_plain_greedy_matches_hf_generate(target):
         assert ours == hf
 
 
-@pytest.mark.parametrize("steps,topk,ndt", [(1, 1, 2), (3, 1, 4), (5, 1, 6), (3, 2, 6), (2, 3, 8), (4, 4, 12)])
-def test_eagle3_draft_decoding_is_lossless(target, steps, topk, ndt):
-    draft = random_draft(tiny_draft_config(target_hidden_size=24), seed=steps + topk)
+@pytest.mark.parametrize("steps,topk,ndt,norms", [(1, 1, 2, {}), (3, 1, 4, {"fc_norm": True}), (5, 1, 6, {}),
+                                                 (3, 2, 6, {"norm_before_fc": True}), (2, 3, 8, {}), (4, 4, 12, {})])
+def test_eagle3_draft_decoding_is_lossless(target, steps, topk, ndt, norms):
+    """Lossless for any draft, the feature norms before fc included (the decoder fuses with them)."""
+    draft = random_draft(tiny_draft_config(target_hidden_size=24, **norms), seed=steps + topk)
     dec = SpeculativeDecoder(target, Eagle3Drafter(draft), LAYERS, num_steps=steps, topk=topk, num_draft_tokens=ndt)
     forwards = 0
     for p in prompts(10, seed=steps * 10 + topk):

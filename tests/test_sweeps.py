@@ -192,3 +192,43 @@ def test_cluster_presets_compose():
     assert compose(["cluster=existing"]).cluster.address == "auto"
     existing = compose(["cluster=existing", "cluster.address=ray://head:10001"]).cluster
     assert existing.address == "ray://head:10001" and existing.dashboard is True  # the rest: schema defaults
+
+
+UPLOAD_PROBE = """
+import json, os, ray
+from workflows.core.cluster import ensure_ray
+from workflows.core.config import ClusterSection
+
+ensure_ray(ClusterSection(num_cpus=1, dashboard=False, code="upload"))
+
+@ray.remote
+def where():
+    import eagle3.modeling
+    return {"module": eagle3.modeling.__file__, "cwd": os.getcwd(), "listing": sorted(os.listdir("."))}
+
+print("PROBE " + json.dumps(ray.get(where.remote())))
+ray.shutdown()
+"""
+
+
+def test_cluster_code_upload_ships_the_checkout_to_workers(tmp_path):
+    """cluster.code=upload: workers import the project from the copy Ray shipped with the job
+    (nodes without the checkout, ray:// clients), not from this checkout's path, and the
+    copy leaves out run folders, caches and environments."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["OMP_NUM_THREADS"] = "1"
+    # Run from elsewhere, with the project importable only for the driver itself.
+    proc = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(PROJECT_ROOT)!r})\n"
+                           + UPLOAD_PROBE], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("PROBE ")), None)
+    assert line is not None, proc.stderr[-3000:]
+    got = json.loads(line.split(" ", 1)[1])
+    assert not got["module"].startswith(str(PROJECT_ROOT)) and got["module"].startswith(got["cwd"])
+    assert {"eagle3", "workflows", "storage", "conf"} <= set(got["listing"])
+    assert not {".venv", ".git", ".cache", "runs"} & set(got["listing"])
+    assert compose(["cluster=existing", "cluster.code=upload"]).cluster.code == "upload"

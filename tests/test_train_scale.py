@@ -141,6 +141,15 @@ def test_a_resume_with_changed_settings_is_refused_naming_them(tiny_target, capt
                                f"train.init_from={run_dir / 'train' / 'draft'}")))
     first_warm, first_cold = records(warm)[0], records(run_dir)[0]
     assert first_warm["loss"] < first_cold["loss"]  # it starts from the trained weights
+    with pytest.raises(ConfigError, match=r"objective: .*'kind': 'soft_ce'.* -> .*'kind': 'kl_acceptance'"):
+        full.run(compose(overrides(tiny_target, run_dir, *base, "train.steps=4", "train.objective.kind=kl_acceptance")))
+    # Another objective and fc_norm train through the same loop; the acceptance rate is tracked.
+    other = copy_run(captured, tmp_path / "other")
+    full.run(compose(overrides(tiny_target, other, *base, "train.steps=2", "train.objective.kind=kl_acceptance",
+                               "draft.fc_norm=true")))
+    alpha = json.loads((other / "train" / "metrics.json").read_text())["step_alpha"]
+    assert len(alpha) == 7 and all(0 < a < 1 for a in alpha) and len(records(other)[-1]["step_alpha"]) == 7
+    assert "fc_norm.2.weight" in load_file(str(other / "train" / "draft" / "draft.safetensors"))
 
 
 def test_a_corrupt_shard_is_named_or_skipped_and_counted(tiny_target, captured, tmp_path):
@@ -212,3 +221,27 @@ def test_the_target_head_and_embeddings_are_read_alone_and_equal_the_models(tiny
     empty.mkdir()
     with pytest.raises(TargetWeightsError, match="no model.safetensors"):
         read_embeddings(empty)
+
+
+def test_quality_ablation_bench_runs_its_grid_on_a_validation_split(tiny_target, captured, tmp_path):
+    """bench.bench_quality end to end on the tiny store: two settings, decoded chain and tree,
+    lossless, the table written; never reading the held-out shards."""
+    from bench import bench_quality
+
+    run_dir = copy_run(captured, tmp_path / "run")
+    out = tmp_path / "ablation"
+    bench_quality.main(["--overrides", *overrides(tiny_target, run_dir, "evaluate.num_steps=3"), "--only", "base",
+                        "fc_norm", "--steps", "3", "--seeds", "0", "--validation-fraction", "0.3",
+                        "--decode-prompts", "2", "--decode-tokens", "6", "--jobs", "1", "--out", str(out)])
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert [r["name"] for r in result["table"]] == ["base", "fc_norm"]
+    for row in result["table"]:
+        assert row["lossless"] and 1 <= row["decoded_chain"][0] <= 4 and 1 <= row["decoded_tree"][0] <= 6
+        assert len(row["step_acc"]) == 3 and row["train_tokens_per_s"][0] > 1
+    from storage.reader import StoreReader
+
+    reader = StoreReader(str(run_dir / "store"))
+    train = {i for i, (shard, _) in reader.index.items() if shard in reader.shard_names("train")}
+    meta = result["meta"]
+    assert meta["val"] >= 1 and meta["fit"] + meta["val"] == len(train) < len(reader.index)  # never the held-out
+    assert "| fc_norm |" in out.with_suffix(".md").read_text()

@@ -20,6 +20,11 @@ the target and draft run in `evaluate.dtype` on both sides, so a gap means the d
 behaves differently when decoding (or that the target's own greedy text differs from
 the stored one: `text_agreement` says how often).
 
+Precision: by default (`auto`) the figures are computed in the serving dtype (the export's,
+`target.dtype`) wherever this machine runs it fast; the offline walk is then computed in
+float32 too, and the report flags a gap above 2%. On a CPU without bf16 units (bf16 there
+ran 30-60x slower than fp32) the evaluation runs in float32 and says so.
+
 The draft scored is the one the train stage of this run produced: its export (the weights
 as served, in the serving dtype) when the export was made from it, else its own weights.
 
@@ -214,10 +219,56 @@ def markdown(r: dict, plots: list[str]) -> str:
     lines += ["", "Per-position acceptance (P(accepted | reached)), offline vs decoded: "
               f"{[round(x, 3) for x in r['per_position_acceptance_offline']]} vs "
               f"{[round(x, 3) for x in r['per_position_acceptance']]}", ""]
+    if "acceptance_offline_float32" in r:
+        flag = " **(more than 2% apart)**" if r["dtype_gap_flagged"] else ""
+        lines.append(f"| acceptance offline in {r['dtype']} / in float32{flag} | {r['acceptance_offline']:.3f} / "
+                     f"{r['acceptance_offline_float32']:.3f} |")
     lines += [f"These figures hold for SGLang serving with `{' '.join(r['serve_args'])}` "
-              f"(`python -m workflows.tools.serve` defaults to them), target and draft in {r['dtype']}.", ""]
+              f"(`python -m workflows.tools.serve` defaults to them). Target and draft computed in {r['dtype']}: "
+              f"{r.get('dtype_reason', '')}; served in {r.get('serving_dtype', r['dtype'])}.", ""]
+    if "ablation" in r:
+        lines += [r["ablation"], ""]
     lines += [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def ablation_mtime(layout: RunLayout) -> int | None:
+    path = layout.root / "ablation" / "ablation.md"
+    return path.stat().st_mtime_ns if path.exists() else None
+
+
+DTYPE_GAP = 0.02  # the offline walk in the serving dtype and in fp32 may differ this much silently
+
+
+def offline_in_fp32(cfg: FullConfig, layout: RunLayout, target_path: Path, ids, rows, k: int, walk: float) -> dict:
+    engine = HFEngine(EngineSpec(str(target_path), dtype="float32", layer_ids=ids,
+                                 trust_remote_code=cfg.target.trust_remote_code))
+    draft, _ = load_draft_for_eval(cfg, layout, engine.model, torch.float32)
+    groups = [rows[i : i + 4] for i in range(0, len(rows), 4)]
+    fp32, _ = offline_acceptance(draft, TargetHead.from_hf(engine.model), groups,
+                                 engine.training_batches(groups, "capture held-out (fp32)"), k)
+    gap = abs(walk - fp32.walk) / fp32.walk
+    if gap > DTYPE_GAP:
+        log(f"evaluate: WARNING the offline walk is {walk:.3f} in {cfg.target.dtype} but {fp32.walk:.3f} in float32 "
+            f"({gap:.1%} apart, above {DTYPE_GAP:.0%})")
+    return {"acceptance_offline_float32": fp32.walk, "dtype_gap": gap, "dtype_gap_flagged": gap > DTYPE_GAP}
+
+
+def evaluation_dtype(cfg: FullConfig) -> tuple[str, str]:
+    """(dtype the evaluation runs in, why): evaluate.dtype, or for auto the serving dtype
+    when this machine computes it fast (workflows.core.precision), else float32."""
+    from workflows.core.precision import cpu_choice
+
+    serving, requested = cfg.target.dtype, cfg.evaluate.dtype
+    if requested != "auto":
+        return requested, f"evaluate.dtype={requested}" + (f" (serving: {serving})" if requested != serving else "")
+    if serving == "float32":
+        return "float32", "the serving dtype"
+    fast, why = cpu_choice()
+    if fast == serving:
+        return serving, f"the serving dtype ({why})"
+    return "float32", (f"not the serving dtype {serving}: it runs slowly on this CPU ({why}); "
+                       f"set evaluate.dtype={serving} to force it")
 
 
 def run(cfg: FullConfig, target_path: Path) -> Path:
@@ -226,14 +277,17 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     out = layout.stage_dir("evaluate")
     served = layout.benchmark_file  # python -m workflows.tools.benchmark --out ...
     key = {"evaluate": to_dict(e), "target": identity_for(cfg, target_path), **layout.chain("train"),
-           "export": layout.done_key("export"), "served": served.stat().st_mtime_ns if served.exists() else None}
+           "export": layout.done_key("export"), "served": served.stat().st_mtime_ns if served.exists() else None,
+           "ablation": ablation_mtime(layout)}
     if stage_is_done(out, key):
         log(f"evaluate: reusing {out}")
         return out
     torch.manual_seed(cfg.seed)
-    dtype = getattr(torch, e.dtype)
+    dtype_name, dtype_why = evaluation_dtype(cfg)
+    log(f"evaluate: computing in {dtype_name}: {dtype_why}")
+    dtype = getattr(torch, dtype_name)
     ids = load_draft_config(layout.require_draft()).capture_layer_ids
-    engine = HFEngine(EngineSpec(str(target_path), dtype=e.dtype, layer_ids=ids,
+    engine = HFEngine(EngineSpec(str(target_path), dtype=dtype_name, layer_ids=ids,
                                  trust_remote_code=cfg.target.trust_remote_code))
     model, tokenizer = engine.model, engine.tokenizer
     cfg.target.check_against_hf_config(model.config)
@@ -250,7 +304,8 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     prompt_lengths = [r["loss_mask"].index(1) for r in rows]
     report = {
         "target": str(target_path), "draft": source, "prompts": len(rows), "max_new_tokens": e.max_new_tokens,
-        "num_steps": k, "topk": e.topk, "num_draft_tokens": e.num_draft_tokens or k + 1, "dtype": e.dtype,
+        "num_steps": k, "topk": e.topk, "num_draft_tokens": e.num_draft_tokens or k + 1, "dtype": dtype_name,
+        "dtype_reason": dtype_why, "serving_dtype": cfg.target.dtype,
         "serve_args": speculative_args(k, e.topk, e.num_draft_tokens or k + 1),
         "acceptance_definitions": {
             "acceptance_decoded": "tokens produced by verify passes / verify passes (the prefill's token excluded)",
@@ -270,8 +325,13 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         "tokens_per_s_plain": dec["tokens_per_s_plain"], "target_forwards_decoded": dec["target_forwards"],
         "offline_walk_passes": offline.passes, "per_prompt_decoded": dec["per_row"],
     }
+    if dtype_name != "float32":  # the same walk in fp32: does precision move the figure?
+        report.update(offline_in_fp32(cfg, layout, target_path, ids, rows, k, offline.walk))
     if served.exists():
         report["served_benchmark"] = read_json(served)
+    ablation = layout.root / "ablation" / "ablation.md"  # python -m bench.bench_quality
+    if ablation.exists():
+        report["ablation"] = ablation.read_text()
     if e.topk > 1:  # the served tree, drafted as SGLang drafts it (differs from depth 3 on)
         sg = decode_all(model, draft, rows, ids, k, e.topk, e.num_draft_tokens, eos, sglang_compatible=True)
         report["sglang_draft_attention"] = {

@@ -59,6 +59,9 @@ def sglang_config(draft: DraftConfig, provenance: dict, dtype: str = "bfloat16")
         "attention_bias": False,
         "mlp_bias": False,
         "torch_dtype": dtype,
+        # Feature norms before fc (SGLang and speculators read these top-level keys).
+        "norm_before_fc": draft.norm_before_fc,
+        "fc_norm": draft.fc_norm,
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": list(provenance["capture_layer_ids"]),
             "use_aux_hidden_state": True,

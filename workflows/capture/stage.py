@@ -26,6 +26,7 @@ import os
 import shutil
 import socket
 import time
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -381,19 +382,23 @@ def _capture_with_ray(cfg: FullConfig, target_path, store: HiddenStateStore, tod
               "micro_batch_tokens": c.micro_batch_tokens, "trust_remote_code": cfg.target.trust_remote_code,
               "threads": max(1, int(c.cpus_per_actor)), "device": "cuda" if c.gpus_per_actor else "cpu",
               "tp_size": cfg.target.tp_size if c.backend == "sglang" else 1, "seed": cfg.seed}
-    results = ds.map_batches(
-        CaptureActor, batch_size=c.shards_per_call, batch_format="pyarrow",
-        fn_constructor_kwargs={"store_url": store.url, "storage_options": store.storage_options,
-                               "backend": c.backend, "engine": engine, "chunk_bytes": int(c.chunk_mb * (1 << 20)),
-                               "compression": c.compression, "corpus_folder": str(RunLayout.of(cfg).corpus_shards),
-                               "fail_after_shards": c.fail_after_shards, "fail_shards": tuple(c.fail_shards),
-                               "die_in_shards": tuple(c.die_in_shards),
-                               "fault_dir": str(RunLayout.of(cfg).stage_dir("capture"))},
-        compute=ray.data.ActorPoolStrategy(size=c.actors), num_cpus=c.cpus_per_actor,
-        num_gpus=c.gpus_per_actor or None,
-        # A killed actor (OOM, preempted node) is restarted and its batch re-run; bounded, so a
-        # shard that kills every actor it meets ends the stage instead of looping.
-        max_restarts=c.max_actor_restarts, max_task_retries=c.max_actor_restarts)
+    with warnings.catch_warnings():
+        # Ray 2.60 has named parameters for resources but none yet for actor restarts: bounded
+        # restarts still go through **ray_remote_args, whose deprecation warning says only that.
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+        results = ds.map_batches(
+            CaptureActor, batch_size=c.shards_per_call, batch_format="pyarrow",
+            fn_constructor_kwargs={"store_url": store.url, "storage_options": store.storage_options,
+                                   "backend": c.backend, "engine": engine, "chunk_bytes": int(c.chunk_mb * (1 << 20)),
+                                   "compression": c.compression, "corpus_folder": str(RunLayout.of(cfg).corpus_shards),
+                                   "fail_after_shards": c.fail_after_shards, "fail_shards": tuple(c.fail_shards),
+                                   "die_in_shards": tuple(c.die_in_shards),
+                                   "fault_dir": str(RunLayout.of(cfg).stage_dir("capture"))},
+            compute=ray.data.ActorPoolStrategy(size=c.actors), num_cpus=c.cpus_per_actor,
+            num_gpus=c.gpus_per_actor or None,
+            # A killed actor (OOM, preempted node) is restarted and its batch re-run; bounded, so a
+            # shard that kills every actor it meets ends the stage instead of looping.
+            max_restarts=c.max_actor_restarts, max_task_retries=c.max_actor_restarts)
     result = Results()
     bar = tqdm(total=tokens, desc="capture", unit="tok")
     metrics = StageMetrics("capture", "tokens", total=tokens)  # Ray metrics: tokens done, tokens/s
@@ -412,7 +417,9 @@ def _capture_with_ray(cfg: FullConfig, target_path, store: HiddenStateStore, tod
 def capture_main(cfg: FullConfig) -> None:
     """`python -m workflows.capture`: the stage, or with capture.estimate_only the size only."""
     if not cfg.capture.estimate_only:
-        run(cfg, prepare_for(cfg, log=log))
+        # A store shared between runs (multirun, sweeps): wait for its lock, as workflows.full does.
+        with RunLayout.of(cfg).shared_stage_lock("capture"):
+            run(cfg, prepare_for(cfg, log=log))
         return
     layout = RunLayout.of(cfg)
     corpus = corpus_figures(layout)

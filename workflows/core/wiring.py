@@ -28,7 +28,26 @@ from workflows.core.provenance import identity_for
 
 INPUT_CONVENTION = "input_of_layer"  # SGLang's layers_to_capture
 FIELDS = ("capture_layer_ids", "target_num_layers", "target_hidden_size", "target_vocab_size", "draft_vocab_size",
-          "vocab_map_sha256", "tokenizer_sha256", "chat_template_sha256", "target_path")
+          "vocab_map_sha256", "feature_norms", "tokenizer_sha256", "chat_template_sha256", "target_path")
+
+
+def feature_norms(norm_before_fc, fc_norm) -> str:
+    return f"norm_before_fc={bool(norm_before_fc)}, fc_norm={bool(fc_norm)}"
+
+
+def check_feature_norm_weights(side: Side, names, norm_before_fc: bool, fc_norm: bool, num_aux: int) -> None:
+    """The weights must match the flags both ways: SGLang leaves a missing norm weight at
+    ones and silently drops a weight its config does not ask for, serving another draft."""
+    names = set(names)
+    want = ({"input_norm.weight"} if norm_before_fc else set()) | (
+        {f"fc_norm.{i}.weight" for i in range(num_aux)} if fc_norm else set())
+    have = {n for n in names if n == "input_norm.weight" or n.startswith("fc_norm.")}
+    if want - have:
+        side.errors.append(f"{side.name}: {feature_norms(norm_before_fc, fc_norm)} but the weights lack "
+                           f"{sorted(want - have)}")
+    if have - want:
+        side.errors.append(f"{side.name}: weights {sorted(have - want)} are not used by "
+                           f"{feature_norms(norm_before_fc, fc_norm)} (SGLang would drop them silently)")
 
 
 @dataclass
@@ -105,6 +124,9 @@ def side_from_draft(folder: Path) -> Side:
                        "target_num_layers": cfg["target_num_layers"]})
     w = load_file(str(folder / "draft.safetensors"))
     check_vocab_map(side, w["d2t"], w["t2d"])
+    flags = (cfg.get("norm_before_fc", False), cfg.get("fc_norm", False))
+    side.facts["feature_norms"] = feature_norms(*flags)
+    check_feature_norm_weights(side, w, *flags, len(cfg["capture_layer_ids"]))
     if cfg["draft_vocab_size"] != side.facts["draft_vocab_size"]:
         side.errors.append(f"{side.name}: draft_config.json draft_vocab_size={cfg['draft_vocab_size']} but d2t has "
                            f"{side.facts['draft_vocab_size']} rows")
@@ -157,6 +179,11 @@ def side_from_sglang_export(folder: Path, target_num_layers: int | None = None,
         if v is not None})
     w = load_file(str(folder / "model.safetensors"))
     check_vocab_map(side, w["d2t"], w["t2d"])
+    # SGLang's own reading of the flags (models/llama_eagle3.py in 0.5.23).
+    flags = (bool((cfg.get("eagle_config") or {}).get("norm_before_fc", cfg.get("norm_before_fc", False))),
+             bool(cfg.get("fc_norm") or cfg.get("use_aux_norm", False)))
+    side.facts["feature_norms"] = feature_norms(*flags)
+    check_feature_norm_weights(side, w, *flags, len(ids) if ids is not None else 3)
     if cfg.get("draft_vocab_size") != side.facts["draft_vocab_size"]:
         side.errors.append(f"{side.name}: config.json draft_vocab_size={cfg.get('draft_vocab_size')} but d2t has "
                            f"{side.facts['draft_vocab_size']} rows")
@@ -170,6 +197,7 @@ def side_from_vllm_export(folder: Path) -> Side:
     layer = cfg.get("transformer_layer_config", {})
     side.facts.update({"target_hidden_size": cfg.get("target_hidden_size") or layer.get("hidden_size"),
                        "target_vocab_size": layer.get("vocab_size"), "draft_vocab_size": cfg.get("draft_vocab_size"),
+                       "feature_norms": feature_norms(cfg.get("norm_before_fc"), cfg.get("fc_norm")),
                        "target_path": str(Path(cfg["speculators_config"]["verifier"]["name_or_path"]).resolve())})
     return side
 

@@ -17,7 +17,7 @@ Normalised record: id, dataset, split, messages (list of {role, content, reasoni
 Ids: the record's own `id` when present, else a hash of its content, both prefixed by the
 dataset name. Duplicates (same system+user turns, anywhere in the mixture) are kept once.
 Split: `heldout` when a hash of the id falls under the held-out fraction, unless the dataset
-forces one split.
+forces one split or takes each record's own (`split: record`).
 
 What is fatal and what is skipped (nothing is dropped silently):
 * fatal, naming file and line (JSON/JSONL) or row (Parquet): malformed JSON, bytes that are
@@ -247,6 +247,17 @@ def prompt_key(messages: list[dict]) -> str:
 # ----------------------------------------------------------------------------- mixture
 
 
+def row_split(record: dict, location: str, split: str, sample_id: str, heldout_fraction: float) -> str:
+    """The dataset's fixed split, the id hash's (auto), or the record's own (record)."""
+    if split == "record":
+        own = record.get("split")
+        if own not in ("train", "heldout"):
+            raise IngestError(f"{location}: field 'split' must be 'train' or 'heldout' (the dataset's "
+                              f"split is 'record'), got {own!r}")
+        return own
+    return split if split != "auto" else split_of(sample_id, heldout_fraction)
+
+
 def ingest_dataset(name: str, path: str, fmt: str, file_type: str, limit: int | None, weight: float,
                    split: str, heldout_fraction: float, seen: set[str], log=print) -> tuple[list[dict], Counter]:
     """Normalised rows of one dataset plus its counts (read, kept, skipped_<reason>)."""
@@ -276,8 +287,8 @@ def ingest_dataset(name: str, path: str, fmt: str, file_type: str, limit: int | 
         if dropped_parts:  # counted for kept conversations only: a skipped record counts once
             counts["skipped_non_text_part"] += dropped_parts
             first_seen.setdefault("non_text_part", location)
-        rows.append({"id": sample_id, "dataset": name,
-                     "split": split if split != "auto" else split_of(sample_id, heldout_fraction),
+        rows.append({"id": sample_id, "dataset": name, "split": row_split(record, location, split, sample_id,
+                                                                          heldout_fraction),
                      "messages": messages})
     for reason, where in first_seen.items():
         unit = "content part(s)" if reason == "non_text_part" else "record(s)"

@@ -1,13 +1,13 @@
 """Load an SGLang export with SGLang's own `LlamaForCausalLMEagle3`, on CPU, and compare.
 
-    PYTHONPATH=.:workflows/sglang_cpu_shim python -m workflows.tools.sglang_load_check <export/sglang>
+    PYTHONPATH=.:workflows/sglang_cpu_shim python -m workflows.tools.sglang_load_check <export/sglang> [more ...]
 
 SGLang's `load_weights` skips tensors whose names it does not know without a word, so
 "it loaded" proves nothing: this builds the class from our config.json (SGLang's test
 helper publishes a one-rank CPU topology; the process group is gloo), runs its
 load_weights, then checks every SGLang parameter against our tensors (q/k/v and gate/up
-are fused by SGLang) and the draft->target map (`hot_token_id`). Prints one JSON line;
-exit status 1 on any mismatch. Run it in its own process: it initialises
+are fused by SGLang) and the draft->target map (`hot_token_id`). Prints one JSON line per
+export; exit status 1 on any mismatch. Run it in its own process: it initialises
 torch.distributed. Needs the `workflows/sglang_cpu_shim` folder on PYTHONPATH (see there).
 """
 from __future__ import annotations
@@ -34,16 +34,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_sglang_draft(config: dict):
+def init_sglang_cpu() -> None:
+    """A one-rank gloo topology, once per process."""
     from sglang.srt.distributed import parallel_state
     from sglang.test.test_utils import publish_build_topology
-    from transformers import LlamaConfig
 
     publish_build_topology(device="cpu", tp_size=1)
     parallel_state.init_distributed_environment(
         world_size=1, rank=0, local_rank=0, backend="gloo",
         distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
     parallel_state.initialize_model_parallel(backend="gloo")
+
+
+def build_sglang_draft(config: dict):
+    from transformers import LlamaConfig
+
     from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
 
     return LlamaForCausalLMEagle3(LlamaConfig(**config))
@@ -90,6 +95,8 @@ def check(export_dir: Path) -> dict:
 
 
 if __name__ == "__main__":
-    report = check(Path(sys.argv[1]))
-    print("SGLANG_LOAD_CHECK " + json.dumps(report))
-    sys.exit(0 if report["ok"] else 1)
+    init_sglang_cpu()
+    reports = [check(Path(arg)) for arg in sys.argv[1:]]
+    for report in reports:
+        print("SGLANG_LOAD_CHECK " + json.dumps(report))
+    sys.exit(0 if all(r["ok"] for r in reports) else 1)

@@ -12,6 +12,7 @@ import torch
 
 from eagle3.metrics import acceptance
 from eagle3.training import autocast_for, forward_batch
+from eagle3.ttt import step_weights
 
 
 def bucket_names(edges: list[int]) -> list[str]:
@@ -32,6 +33,9 @@ def evaluate_heldout(draft, head, batches, loop_cfg, edges: list[int], device) -
     length = loop_cfg.ttt.length
     names = bucket_names(edges)
     hits = torch.zeros(length, dtype=torch.float64)
+    sf_hits = torch.zeros(length, dtype=torch.float64)
+    sf_counts = torch.zeros(length, dtype=torch.float64)
+    alphas = torch.zeros(length, dtype=torch.float64)
     counts = torch.zeros(length, dtype=torch.float64)
     pos_hits = torch.zeros(len(names), length, dtype=torch.float64)
     pos_counts = torch.zeros(len(names), length, dtype=torch.float64)
@@ -39,11 +43,16 @@ def evaluate_heldout(draft, head, batches, loop_cfg, edges: list[int], device) -
     for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items()}
         with autocast_for(loop_cfg.compute_dtype, device):
-            s = forward_batch(draft, head, batch, loop_cfg.ttt, train=False)
+            s = forward_batch(draft, head, batch, loop_cfg.ttt, train=False, objective=loop_cfg.objective)
         loss_sum += float(s.loss)
         n_batches += 1
         w, c = s.weights.double().cpu(), s.correct.double().cpu()
         hits += (c * w).sum((0, 1))
+        sf_w = step_weights(batch["loss_mask"], batch["attention_mask"], length, segment_ids=batch.get("segment_ids"),
+                            rows="input").double().cpu()
+        sf_hits += (c * sf_w).sum((0, 1))
+        sf_counts += sf_w.sum((0, 1))
+        alphas += s.step_alpha_t.double().cpu() * w.sum((0, 1))
         counts += w.sum((0, 1))
         positions = batch["position_ids"].cpu()
         for i in range(len(names)):
@@ -69,6 +78,9 @@ def evaluate_heldout(draft, head, batches, loop_cfg, edges: list[int], device) -
         **total.as_dict(),
         "loss": loss_sum / n_batches,
         "step_acc": rate(hits, counts),
+        # The same accuracy over SpecForge 0.2.0's scored rows (eagle3.ttt.step_weights, rows="input").
+        "step_acc_specforge_rows": rate(sf_hits, sf_counts),
+        "step_alpha": rate(alphas, counts),  # mean sum_v min(p_target, p_draft) per step
         "step_acc_by_position": {names[i]: rate(pos_hits[i], pos_counts[i]) for i in range(len(names))
                                  if pos_counts[i, 0] > 0},
         "acceptance_walk_by_prompt_length": {k: {"acceptance_walk": v.walk, "passes": v.passes}

@@ -64,7 +64,8 @@ def backend_of(cfg: FullConfig, source: str) -> str:
 def resume_fields(cfg: FullConfig, backend: str, store_key: str) -> dict:
     """What a checkpoint must agree on to be resumed: the data, the schedule, the maths."""
     t = cfg.train
-    return {"data": store_key, "ttt": to_dict(t.ttt), "steps": t.steps, "optim": to_dict(t.optim),
+    return {"data": store_key, "ttt": to_dict(t.ttt), "objective": to_dict(t.objective), "steps": t.steps,
+            "optim": to_dict(t.optim),
             "world_size": t.num_workers if backend == "deepspeed" else 1, "backend": backend,
             "batching": {"batch_size": t.batch_size, "packing": t.packing, "max_seq_len": t.max_seq_len,
                          "rows_per_batch": t.rows_per_batch, "shuffle_window": t.shuffle_window,

@@ -62,7 +62,7 @@ class Tracker:
         ev = record.get("eval", {})
         msg = f"step {record['step'] + 1}: loss {record['loss']:.4f} acc0 {record['step_acc'][0]:.3f}"
         if ev:
-            msg += f" | eval acc0 {ev['step_acc'][0]:.3f} acceptance(walk, k={ev['k']}) {ev['acceptance_walk']:.3f}"
+            msg += f" | eval acc0 {ev['step_acc'][0]:.3f} alpha0 {ev.get('step_alpha', [float('nan')])[0]:.3f} acceptance(walk, k={ev['k']}) {ev['acceptance_walk']:.3f}"
         if "tokens_per_s" in record:
             msg += f" | {record['tokens_per_s']:.0f} tok/s"
             self.tokens.throughput(record["tokens_per_s"])
@@ -73,10 +73,12 @@ class Tracker:
             if "tokens_per_s" in record:
                 flat["train/tokens_per_s"] = record["tokens_per_s"]
             flat.update({f"train/acc_{j}": a for j, a in enumerate(record["step_acc"])})
+            flat.update({f"train/alpha_{j}": a for j, a in enumerate(record.get("step_alpha", []))})
             if ev:
                 flat["eval/acceptance_walk"] = ev["acceptance_walk"]
                 flat["eval/acceptance_per_position_average"] = ev["acceptance_per_position_average"]
                 flat.update({f"eval/acc_{j}": a for j, a in enumerate(ev["step_acc"])})
+                flat.update({f"eval/alpha_{j}": a for j, a in enumerate(ev.get("step_alpha", []))})
             self.run.log(flat, step=record["step"] + 1)
 
     def close(self, summary: dict) -> None:

@@ -90,7 +90,8 @@ class PlainStep:
         scores = []
         for batch in micro_batches:
             with autocast_for(loop_cfg.compute_dtype, batch["input_ids"].device):
-                s = forward_batch(self.module, head, batch, loop_cfg.ttt, train=True, generator=generator)
+                s = forward_batch(self.module, head, batch, loop_cfg.ttt, train=True, generator=generator,
+                                  objective=loop_cfg.objective)
             (s.loss / len(micro_batches)).backward()
             scores.append(s)
         params = [p for p in self.module.parameters() if p.requires_grad]
@@ -140,7 +141,8 @@ class DeepSpeedStep:
         scores = []
         for batch in micro_batches:
             with autocast_for(loop_cfg.compute_dtype, batch["input_ids"].device):
-                s = forward_batch(self.module, head, batch, loop_cfg.ttt, train=True, generator=generator)
+                s = forward_batch(self.module, head, batch, loop_cfg.ttt, train=True, generator=generator,
+                                  objective=loop_cfg.objective)
             self.engine.backward(s.loss)
             self.engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
             scores.append(s)
@@ -216,6 +218,8 @@ class Trainer:
                           "step_acc": [sum(s.step_acc[j] for s in scores) / len(scores) for j in range(t.ttt.length)],
                           "step_loss": [sum(s.step_loss[j] for s in scores) / len(scores)
                                         for j in range(t.ttt.length)],
+                          "step_alpha": [sum(s.step_alpha[j] for s in scores) / len(scores)
+                                         for j in range(t.ttt.length)],
                           "tokens": tokens_all, "epoch": stream.position.epoch}
                 if done % t.eval_every == 0 or done == t.steps or (t.checkpoint_every and done % t.checkpoint_every == 0):
                     last_eval = self._evaluate_on_rank0()

@@ -1,0 +1,65 @@
+"""Training objectives of one unrolled step, per position, over the draft vocabulary.
+
+`p` is the target's distribution restricted to the draft vocabulary and renormalised
+there (eagle3.target_head), `q` the draft's softmax. Per position:
+
+    acceptance  a = sum_v min(p_v, q_v)       P(a token sampled from q is accepted by
+                                               speculative sampling against p)
+    soft_ce     -sum_v p_v log q_v            the usual EAGLE-3 loss (= KL(p||q) + H(p))
+    log_acceptance   -log a                   maximises expected acceptance directly
+    kl_acceptance    w KL(p||q) + (1 - a),    w = 1 - a, held constant (no gradient):
+                                               KL leads while the draft is far off, the
+                                               acceptance term takes over as a grows
+
+KL and soft CE differ by the target's entropy, a constant: their gradients are equal.
+The acceptance objectives have small gradients where the draft puts no mass on the
+target's tokens (min(p, q) is flat in q_v when q_v > p_v and the draft is everywhere
+above), which is why the mix keeps a KL term early on.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from eagle3.schema import ConfigError
+
+OBJECTIVES = ("soft_ce", "log_acceptance", "kl_acceptance")
+
+
+@dataclass
+class ObjectiveConfig:
+    kind: Literal["soft_ce", "log_acceptance", "kl_acceptance"] = "soft_ce"
+    # How a step's loss is averaged: over its scored positions ("scored"), or over every
+    # real position of the batch, scored or not ("positions": SpecForge 0.2.0's mean over
+    # B*T, which weighs a batch by the share of its tokens under the loss mask).
+    normalise: Literal["scored", "positions"] = "scored"
+    # Leave out positions whose target argmax lies outside the draft vocabulary: the draft
+    # can never propose that token there (SpecForge masks them). Their accuracy still
+    # counts as a miss.
+    skip_unreachable: bool = False
+
+    def validate(self, where: str = "objective") -> None:
+        if self.kind not in OBJECTIVES:
+            raise ConfigError(f"{where}.kind={self.kind!r} is not one of {list(OBJECTIVES)}")
+        if self.normalise not in ("scored", "positions"):
+            raise ConfigError(f"{where}.normalise={self.normalise!r} is not 'scored' or 'positions'")
+
+
+def acceptance_rate(log_q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """sum_v min(p_v, q_v): [..., V] -> [...] (fp32)."""
+    return torch.minimum(p, log_q.exp()).sum(-1)
+
+
+def position_loss(kind: str, log_q: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss per position, acceptance per position) for log_q = log_softmax(draft logits)."""
+    alpha = acceptance_rate(log_q, p)
+    if kind == "soft_ce":
+        return -(p * log_q).sum(-1), alpha
+    if kind == "log_acceptance":
+        return -torch.log(alpha.clamp_min(1e-6)), alpha
+    if kind == "kl_acceptance":
+        kl = (p * (torch.log(p.clamp_min(1e-30)) - log_q)).sum(-1)
+        return (1 - alpha).detach() * kl + (1 - alpha), alpha
+    raise ValueError(f"unknown objective {kind!r}; known: {list(OBJECTIVES)}")

@@ -1,0 +1,171 @@
+"""Objectives of a TTT step (eagle3.objectives) against slow, obvious references; their
+averaging in score_steps; the cosine horizon; the feature norms before fc."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from eagle3.objectives import ObjectiveConfig, acceptance_rate, position_loss
+from eagle3.schema import ConfigError
+from eagle3.training import OptimConfig, lr_at
+from eagle3.ttt import score_steps, step_weights
+from tests.helpers import random_draft, tiny_draft_config
+
+
+def slow_acceptance(p: list[float], q: list[float]) -> float:
+    return sum(min(a, b) for a, b in zip(p, q))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 12), st.integers(0, 10_000))
+def test_acceptance_and_losses_match_slow_references(vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, vocab, generator=g, dtype=torch.float64) * 3
+    p = torch.softmax(torch.randn(3, vocab, generator=g, dtype=torch.float64) * 3, -1)
+    log_q = torch.log_softmax(logits, -1)
+    q = log_q.exp()
+    alpha = acceptance_rate(log_q, p)
+    for i in range(3):
+        a = slow_acceptance(p[i].tolist(), q[i].tolist())
+        assert alpha[i].item() == pytest.approx(a, abs=1e-12)
+        kl = sum(pv * (math.log(pv) - math.log(qv)) for pv, qv in zip(p[i].tolist(), q[i].tolist()))
+        ce = -sum(pv * math.log(qv) for pv, qv in zip(p[i].tolist(), q[i].tolist()))
+        assert position_loss("soft_ce", log_q, p)[0][i].item() == pytest.approx(ce, rel=1e-10)
+        assert position_loss("log_acceptance", log_q, p)[0][i].item() == pytest.approx(-math.log(a), rel=1e-10)
+        assert position_loss("kl_acceptance", log_q, p)[0][i].item() == pytest.approx((1 - a) * kl + 1 - a, rel=1e-9)
+    # Identical distributions are accepted with certainty.
+    assert torch.allclose(acceptance_rate(torch.log(p), p), torch.ones(3, dtype=torch.float64))
+
+
+def test_kl_acceptance_weight_carries_no_gradient():
+    """d/dlogits of w*KL + (1-a) with w = 1-a held constant: (1-a) dKL + d(1-a)."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    p = torch.softmax(torch.randn(5, 7, generator=g, dtype=torch.float64), -1)
+    loss, alpha = position_loss("kl_acceptance", torch.log_softmax(logits, -1), p)
+    (got,) = torch.autograd.grad(loss.sum(), logits)
+    log_q = torch.log_softmax(logits, -1)
+    kl = (p * (torch.log(p) - log_q)).sum(-1)
+    a = acceptance_rate(log_q, p)
+    (d_kl,) = torch.autograd.grad(kl, logits, grad_outputs=(1 - alpha.detach()), retain_graph=True)
+    (d_a,) = torch.autograd.grad((1 - a).sum(), logits)
+    assert torch.allclose(got, d_kl + d_a)
+
+
+@pytest.mark.parametrize("kind", ["log_acceptance", "kl_acceptance", "soft_ce"])
+def test_each_objective_drives_acceptance_up(kind):
+    """Minimising each objective over free logits raises sum min(p, q) close to 1."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(4, 16, generator=g) * 2, -1)
+    logits = torch.zeros(4, 16, requires_grad=True)
+    opt = torch.optim.Adam([logits], lr=0.1)
+    start = acceptance_rate(torch.log_softmax(logits, -1), p).mean().item()
+    for _ in range(300):
+        loss, _ = position_loss(kind, torch.log_softmax(logits, -1), p)
+        opt.zero_grad()
+        loss.mean().backward()
+        opt.step()
+    end = acceptance_rate(torch.log_softmax(logits, -1), p).mean().item()
+    assert start < 0.7 and end > 0.97, (kind, start, end)
+
+
+class VocabDraft:
+    """The hidden state *is* the logits; draft id i is target id i + 10; target ids 10..11
+    are in the draft vocab, 0..9 and 12.. are not."""
+
+    def __init__(self):
+        self.t2d = torch.zeros(20, dtype=torch.bool)
+        self.t2d[10:12] = True
+
+    def logits(self, h):
+        return h
+
+    def draft_to_target(self, ids):
+        return ids + 10
+
+
+def test_score_steps_normalisation_and_unreachable_positions():
+    h0 = torch.log(torch.tensor([[[1.0, 1.0], [1.0, 3.0], [2.0, 1.0], [1.0, 1.0]]]))
+    probs = torch.tensor([[[0.9, 0.1], [0.2, 0.8], [0.6, 0.4], [0.5, 0.5]]])
+    # Row 0's label (read at t=1) is target id 10 (in the draft vocab), row 1's (t=2) is 3: unreachable.
+    argmax = torch.tensor([[0, 10, 3, 10]])
+    w = step_weights(torch.tensor([[0, 1, 1, 1]]), torch.ones(1, 4), 1)
+    ce0 = -(0.2 * math.log(0.5) + 0.8 * math.log(0.5))
+    ce1 = -(0.6 * math.log(0.25) + 0.4 * math.log(0.75))
+    plain = score_steps(VocabDraft(), [h0], probs, argmax, w, 0.8)
+    assert plain.step_loss[0] == pytest.approx((ce0 + ce1) / 2, rel=1e-6)
+    per_token = score_steps(VocabDraft(), [h0], probs, argmax, w, 0.8, ObjectiveConfig(normalise="positions"),
+                            real_positions=torch.tensor(4))
+    assert per_token.step_loss[0] == pytest.approx((ce0 + ce1) / 4, rel=1e-6)
+    skip = score_steps(VocabDraft(), [h0], probs, argmax, w, 0.8, ObjectiveConfig(skip_unreachable=True))
+    assert skip.step_loss[0] == pytest.approx(ce0, rel=1e-6)
+    # Accuracy still counts the unreachable row, as a miss: row 0 hits (draft 0 -> 10), row 1 cannot.
+    assert skip.step_acc == plain.step_acc == [0.5]
+    # Acceptance rate per step: mean of sum min(p, q) over the scored rows.
+    a0 = min(0.2, 0.5) + min(0.8, 0.5)
+    a1 = min(0.6, 0.25) + min(0.4, 0.75)
+    assert plain.step_alpha[0] == pytest.approx((a0 + a1) / 2, rel=1e-6)
+
+
+def test_objective_config_refuses_unknown_kinds():
+    with pytest.raises(ConfigError, match="objective.kind='mse' is not one of"):
+        ObjectiveConfig(kind="mse").validate()
+    with pytest.raises(ConfigError, match="normalise='tokens'"):
+        ObjectiveConfig(normalise="tokens").validate()
+
+
+def test_horizon_keeps_the_long_runs_learning_rates():
+    """A 1107-step run on a 3690-step horizon follows the 3690-step run's schedule exactly."""
+    long = OptimConfig(lr=1e-3, warmup_steps=55, min_lr_ratio=0.0)
+    short = OptimConfig(lr=1e-3, warmup_steps=55, min_lr_ratio=0.0, horizon_steps=3690)
+    assert [lr_at(s, 1107, short) for s in range(1107)] == [lr_at(s, 3690, long) for s in range(1107)]
+    assert lr_at(1106, 1107, short) > 0.7e-3  # not the end of a cosine
+    assert lr_at(1106, 1107, long) < 1e-5
+
+
+# --- feature norms before fc (SGLang's fc_norm / norm_before_fc) ------------------------------
+def rms(x, w, eps):
+    return w * x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("flags", [{"fc_norm": True}, {"norm_before_fc": True}])
+def test_feature_norms_match_their_definition(flags):
+    cfg = tiny_draft_config(**flags)
+    draft = random_draft(cfg)
+    names = set(draft.state_dict())
+    if flags.get("fc_norm"):
+        assert {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} <= names
+        assert "input_norm.weight" not in names
+    else:
+        assert "input_norm.weight" in names and not any(n.startswith("fc_norm") for n in names)
+    aux = torch.randn(2, 5, 3 * 24, dtype=torch.float64) * torch.tensor([0.1, 10.0, 1000.0],
+                                                                          dtype=torch.float64).repeat_interleave(24)
+    eps = cfg.rms_norm_eps
+    if flags.get("fc_norm"):
+        parts = aux.chunk(3, -1)
+        want = torch.cat([rms(x, draft.fc_norm[i].weight, eps) for i, x in enumerate(parts)], -1)
+    else:
+        want = rms(aux, draft.input_norm.weight, eps)
+    assert torch.allclose(draft.fuse(aux), draft.fc(want))
+    plain = set(random_draft(tiny_draft_config()).state_dict())
+    assert not any(n.startswith(("fc_norm", "input_norm")) for n in plain)
+
+
+def test_fc_norm_makes_fc_scale_free_per_layer():
+    """With fc_norm, scaling one captured layer's state by 1000 changes nothing."""
+    draft = random_draft(tiny_draft_config(fc_norm=True))
+    aux = torch.randn(1, 4, 72, dtype=torch.float64)
+    loud = aux.clone()
+    loud[..., 48:] *= 1000
+    assert torch.allclose(draft.fuse(aux), draft.fuse(loud), rtol=1e-4, atol=1e-4)  # up to the eps of the norm
+
+
+def test_specforge_scored_rows_differ_from_ours_at_the_answer_ends():
+    loss_mask, attn = torch.tensor([[0, 0, 1, 1, 1, 0, 0]]), torch.tensor([[1, 1, 1, 1, 1, 1, 0]])
+    ours = step_weights(loss_mask, attn, 2)
+    theirs = step_weights(loss_mask, attn, 2, rows="input")
+    # Ours: the predicted token x_{t+2+j} is trained. SpecForge's: the row's own x_{t+j} is,
+    # and the label position t+1+j is a real token of the sample.
+    assert ours[0, :, 0].tolist() == [1, 1, 1, 0, 0, 0, 0] and ours[0, :, 1].tolist() == [1, 1, 0, 0, 0, 0, 0]
+    assert theirs[0, :, 0].tolist() == [0, 0, 1, 1, 1, 0, 0] and theirs[0, :, 1].tolist() == [0, 1, 1, 1, 0, 0, 0]
