@@ -33,6 +33,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -266,7 +267,7 @@ def main(argv=None) -> None:
     table = summarise(results, grid)
     meta = {"grid": a.grid, "steps": a.steps, "seeds": a.seeds, "fit": len(fit), "val": len(val),
             "store": cfg.run_path.name, "decoded": len(rows), "k": cfg.evaluate.num_steps,
-            "command": "python -m bench.bench_quality " + " ".join(argv if argv is not None else os.sys.argv[1:])}
+            "command": "python -m bench.bench_quality " + " ".join(argv if argv is not None else sys.argv[1:])}
     out = a.out or cfg.run_path / "ablation" / "ablation"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "table": table, "trials": results}, indent=1))

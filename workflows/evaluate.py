@@ -232,8 +232,13 @@ def markdown(r: dict, plots: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def ablation_file(layout: RunLayout) -> Path:
+    """The table `python -m bench.bench_quality` writes into the run folder (may not exist)."""
+    return layout.root / "ablation" / "ablation.md"
+
+
 def ablation_mtime(layout: RunLayout) -> int | None:
-    path = layout.root / "ablation" / "ablation.md"
+    path = ablation_file(layout)
     return path.stat().st_mtime_ns if path.exists() else None
 
 
@@ -329,7 +334,7 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         report.update(offline_in_fp32(cfg, layout, target_path, ids, rows, k, offline.walk))
     if served.exists():
         report["served_benchmark"] = read_json(served)
-    ablation = layout.root / "ablation" / "ablation.md"  # python -m bench.bench_quality
+    ablation = ablation_file(layout)
     if ablation.exists():
         report["ablation"] = ablation.read_text()
     if e.topk > 1:  # the served tree, drafted as SGLang drafts it (differs from depth 3 on)
