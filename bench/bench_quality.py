@@ -50,7 +50,8 @@ GRIDS = {
         ("noise=gaussian 0.2", ["train.ttt.noise.std=0.2"]),
         ("ttt=5", ["train.ttt.length=5", "train.acceptance_k=5"]),
         ("decay=1.0", ["train.ttt.decay=1.0"]),
-        ("draft_vocab=4096", ["draft.draft_vocab_size=4096"]),
+        ("positions=fixed", ["train.ttt.positions=fixed"]),  # SpecForge 0.2.0's unshifted RoPE
+        ("draft_vocab=2048", ["draft.draft_vocab_size=2048"]),
         ("lr=3e-4", ["train.optim.lr=3e-4"]),
     ],
     # Why the project trailed SpecForge 0.2.0 at equal data: each of SpecForge's settings alone.
@@ -61,6 +62,7 @@ GRIDS = {
         ("normalise=positions", ["train.objective.normalise=positions"]),
         ("skip_unreachable", ["train.objective.skip_unreachable=true"]),
         ("schedule=specforge", ["train.optim.warmup_steps=55", "train.optim.min_lr_ratio=0"]),
+        ("positions=fixed", ["train.ttt.positions=fixed"]),
         ("all specforge", ["train.ttt.noise.kind=none", "train.optim.betas=[0.9,0.999]",
                            "train.objective.normalise=positions", "train.objective.skip_unreachable=true",
                            "train.optim.warmup_steps=55", "train.optim.min_lr_ratio=0"]),
@@ -70,7 +72,11 @@ TREE = (5, 4, 8)  # SGLang's default drafting for a Llama target: steps, topk, d
 
 
 def is_validation(sample_id: str, fraction: float) -> bool:
-    return int(hashlib.sha256(sample_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
+    # Salted: the held-out split hashes the bare id the same way (workflows.generate.ingest),
+    # so the train samples left over all hash above its fraction; unsalted, a validation
+    # fraction below that would pick none of them.
+    digest = hashlib.sha256(f"validation:{sample_id}".encode()).hexdigest()
+    return int(digest[:8], 16) / 0xFFFFFFFF < fraction
 
 
 def load_split(overrides: list[str], fraction: float):

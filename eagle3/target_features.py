@@ -65,9 +65,13 @@ class LayerTap:
 @torch.no_grad()
 def capture_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids: list[int]):
     """-> (aux [B, T, n*H] in capture-id order, final [B, T, H] post-norm)."""
+    # The decoder alone: its last_hidden_state is the post-norm final state, and the LM head
+    # (B x T x vocab logits, a fifth of a 135M model's FLOPs) and every layer's output
+    # (output_hidden_states) are never computed or kept.
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     with LayerTap(model, layer_ids) as tap:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
-        return tap.aux(), out.hidden_states[-1]
+        out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return tap.aux(), out.last_hidden_state
 
 
 def pad_stack(rows, fill=0) -> torch.Tensor:

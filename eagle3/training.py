@@ -25,9 +25,9 @@ from eagle3.ttt import TTTConfig, add_noise, score_steps, step_weights, unroll
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-4
+    lr: float = 1e-3  # SpecForge's single-GPU setting; short runs (the embedded default) need it
     weight_decay: float = 0.0
-    warmup_steps: int = 20
+    warmup_steps: int = 10
     min_lr_ratio: float = 0.1
     grad_clip: float = 0.5
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -45,7 +45,7 @@ class OptimConfig:
 
 @dataclass
 class LoopConfig:
-    steps: int = 300
+    steps: int = 60  # the embedded default's budget on a 2-core CPU (README, "Two commands")
     ttt: TTTConfig = field(default_factory=TTTConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -95,7 +95,8 @@ def forward_batch(draft, head: TargetHead, batch: dict, ttt: TTTConfig, train: b
     probs, best = head(batch["final"], draft.target_ids())
     segments = batch.get("segment_ids")
     hiddens = unroll(draft, batch["input_ids"], aux, batch["attention_mask"], ttt.length,
-                     position_ids=batch.get("position_ids"), segment_ids=segments, attention=ttt.attention)
+                     position_ids=batch.get("position_ids"), segment_ids=segments, attention=ttt.attention,
+                     shift_positions=ttt.positions == "shifted")
     weights = step_weights(batch["loss_mask"], batch["attention_mask"], ttt.length, segment_ids=segments)
     return score_steps(draft, hiddens, probs, best, weights, ttt.decay, objective,
                        real_positions=batch["attention_mask"].sum())

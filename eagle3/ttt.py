@@ -49,9 +49,16 @@ class TTTConfig:
     # TTT attention: flex (linear memory, compiled; needs CUDA to train, torch has no CPU
     # flex backward), dense (explicit T x T scores), auto (flex on CUDA, dense elsewhere).
     attention: Literal["auto", "dense", "flex"] = "auto"
+    # RoPE position of step j at row t: "shifted" = t + j, where inference puts that draft
+    # token; "fixed" = t at every step (SpecForge 0.2.0's SDPA path). Only relative offsets
+    # reach attention, so "fixed" trains the draft on offsets that serving never shows it
+    # (prefix keys j closer, its own earlier steps at offset 0): kept to compare trainers.
+    positions: Literal["shifted", "fixed"] = "shifted"
 
     def validate(self, where: str = "ttt") -> None:
         check_ranges(self, where, length=">=1", decay="(0,1]")
+        if self.positions not in ("shifted", "fixed"):
+            raise ConfigError(f"{where}.positions={self.positions!r} is not 'shifted' or 'fixed'")
         if self.attention not in ATTENTION_BACKENDS:
             raise ConfigError(f"{where}.attention={self.attention!r} is not one of {list(ATTENTION_BACKENDS)}")
         self.noise.validate(f"{where}.noise")
@@ -91,17 +98,18 @@ def packing_ids(attention_mask: torch.Tensor, position_ids: torch.Tensor | None 
 
 def unroll(draft: Eagle3Draft, input_ids, aux, attention_mask, length: int, *,
            position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None,
-           attention: str = "auto") -> list[torch.Tensor]:
+           attention: str = "auto", shift_positions: bool = True) -> list[torch.Tensor]:
     """The TTT forward: pre-norm draft hidden states of steps 0..length-1, each [B, T, H].
 
-    `attention` picks the TTT attention backend (see eagle3.attention.make_ttt_attention)."""
+    `attention` picks the TTT attention backend (see eagle3.attention.make_ttt_attention);
+    `shift_positions=False` keeps every step at its row's position (TTTConfig.positions)."""
     positions, segments = packing_ids(attention_mask, position_ids, segment_ids)
     state = make_ttt_attention(segments.to(input_ids.device), attention)
     positions = positions.to(input_ids.device)
     hidden = draft.fuse(aux)
     outs = []
     for j in range(length):
-        out = draft.step(shift_left(input_ids, 1 + j), hidden, positions + j, state)
+        out = draft.step(shift_left(input_ids, 1 + j), hidden, positions + j if shift_positions else positions, state)
         outs.append(out)
         hidden = out
     return outs

@@ -12,6 +12,7 @@ import pytest
 import torch
 from eagle3.chat_template import generation_prompt_ids
 from tests.helpers import corpus_rows, kill_run
+from workflows import full
 from workflows.core.config import compose
 from workflows.core.engines import EngineSpec, HFEngine
 from workflows.generate import stage as generate
@@ -212,9 +213,9 @@ def test_sglang_backend_on_cpu_matches_hf(tiny_target, tmp_path):
     proc = _run_generate(tiny_target, tmp_path / "sglang", *extra, "data.backend=sglang")
     log = proc.communicate(timeout=420)[0]
     assert proc.returncode == 0, log[-4000:]
-    proc = _run_generate(tiny_target, tmp_path / "hf", *extra)
-    log = proc.communicate(timeout=300)[0]
-    assert proc.returncode == 0, log[-4000:]
+    # HF in this process (no child, no second Ray start): the same stage and settings.
+    full.run(compose(["target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={tmp_path / 'hf'}",
+                      "data.max_new_tokens=8", "stages=[target,generate]", *extra]))
     by_sglang = {r["id"]: r for r in corpus_rows(tmp_path / "sglang")}
     by_hf = {r["id"]: r for r in corpus_rows(tmp_path / "hf")}
     assert by_sglang.keys() == by_hf.keys() and len(by_hf) == 4

@@ -194,41 +194,87 @@ def test_cluster_presets_compose():
     assert existing.address == "ray://head:10001" and existing.dashboard is True  # the rest: schema defaults
 
 
-UPLOAD_PROBE = """
-import json, os, ray
+PROBE = """
+import json, os, sys, ray
 from workflows.core.cluster import ensure_ray
 from workflows.core.config import ClusterSection
 
-ensure_ray(ClusterSection(num_cpus=1, dashboard=False, code="upload"))
+ensure_ray(ClusterSection(address=sys.argv[1], code="upload"))
 
 @ray.remote
 def where():
     import eagle3.modeling
-    return {"module": eagle3.modeling.__file__, "cwd": os.getcwd(), "listing": sorted(os.listdir("."))}
+    return {"module": eagle3.modeling.__file__, "cwd": os.getcwd(), "listing": sorted(os.listdir(".")),
+            "node": ray.get_runtime_context().get_node_id()}
 
-print("PROBE " + json.dumps(ray.get(where.remote())))
+print("PROBE " + json.dumps({**ray.get(where.remote()), "cluster_cpus": ray.cluster_resources().get("CPU")}))
 ray.shutdown()
 """
 
 
-def test_cluster_code_upload_ships_the_checkout_to_workers(tmp_path):
-    """cluster.code=upload: workers import the project from the copy Ray shipped with the job
-    (nodes without the checkout, ray:// clients), not from this checkout's path, and the
-    copy leaves out run folders, caches and environments."""
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_job_joins_an_existing_cluster_and_ships_its_code(tmp_path):
+    """cluster=existing: a Ray head started apart (`ray start --head`, as on a cluster's head
+    node) is joined by address, not replaced by a local Ray; with cluster.code=upload its
+    workers import the project from the copy Ray shipped with the job (nodes without the
+    checkout, ray:// clients), which leaves out run folders, caches and environments."""
     import json
     import os
     import subprocess
     import sys
+    import time
 
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    from tests.helpers import kill_run
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_AUTH_MODE")}
     env["OMP_NUM_THREADS"] = "1"
-    # Run from elsewhere, with the project importable only for the driver itself.
-    proc = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(PROJECT_ROOT)!r})\n"
-                           + UPLOAD_PROBE], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("PROBE ")), None)
-    assert line is not None, proc.stderr[-3000:]
+    port = free_port()
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    head = subprocess.Popen([ray_cli, "start", "--head", "--block", f"--port={port}", "--num-cpus=3",
+                             "--include-dashboard=false", "--disable-usage-stats"],
+                            cwd=tmp_path, env=env, stdout=open(tmp_path / "head.log", "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        # Run from elsewhere, with the project importable only for the driver itself.
+        probe = f"import sys; sys.path.insert(0, {str(PROJECT_ROOT)!r})\n" + PROBE
+        deadline, line, proc = time.monotonic() + 180, None, None
+        while line is None and time.monotonic() < deadline:  # the head takes a few seconds to come up
+            assert head.poll() is None, (tmp_path / "head.log").read_text()[-3000:]
+            # The head has token authentication on: a job joining by address says so.
+            proc = subprocess.run([sys.executable, "-c", probe, f"127.0.0.1:{port}"], cwd=tmp_path,
+                                  env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=240)
+            line = next((l for l in proc.stdout.splitlines() if l.startswith("PROBE ")), None)
+        assert line is not None, proc.stderr[-3000:]
+    finally:
+        if head.poll() is None:
+            kill_run(head)
     got = json.loads(line.split(" ", 1)[1])
+    assert got["cluster_cpus"] == 3  # the head's resources: the job did not start its own Ray
     assert not got["module"].startswith(str(PROJECT_ROOT)) and got["module"].startswith(got["cwd"])
     assert {"eagle3", "workflows", "storage", "conf"} <= set(got["listing"])
     assert not {".venv", ".git", ".cache", "runs"} & set(got["listing"])
     assert compose(["cluster=existing", "cluster.code=upload"]).cluster.code == "upload"
+
+
+def test_a_refused_join_names_the_address_and_the_token_setting(monkeypatch):
+    """Ray's own refusal (ConnectionError after its retries, e.g. InvalidAuthToken) becomes
+    one line naming the address and what to set."""
+    import ray
+
+    from workflows.core.cluster import ensure_ray
+    from workflows.core.config import ClusterSection
+
+    def refuse(**kwargs):
+        raise ConnectionError(f"Failed to connect to Ray cluster at {kwargs['address']}")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refuse)
+    with pytest.raises(config_module.ConfigError, match=r"cluster.address=10.0.0.5:6379: could not join .*RAY_AUTH_MODE=token"):
+        ensure_ray(ClusterSection(address="10.0.0.5:6379"))

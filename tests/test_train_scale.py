@@ -71,29 +71,37 @@ def test_sigkill_mid_epoch_then_resume_is_bit_exact(tiny_target, captured, tmp_p
     args = ("train.steps=24", "train.checkpoint_every=8", "train.eval_every=8", "train.log_every=1",
             "train.num_workers=2")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # The uninterrupted reference runs beside the run to be killed (its own Ray), not before
+    # it: the two start-ups overlap. Sharing the cores changes timings only, not the maths.
     reference = copy_run(captured, tmp_path / "reference")
-    subprocess.run(train_command(tiny_target, reference, *args), cwd=ROOT, env=env, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ref_log = open(tmp_path / "reference.log", "w")
+    ref_proc = subprocess.Popen(train_command(tiny_target, reference, *args), cwd=ROOT, env=env, stdout=ref_log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
 
     killed = copy_run(captured, tmp_path / "killed")
     log = open(tmp_path / "killed.log", "w")
     proc = subprocess.Popen(train_command(tiny_target, killed, *args), cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        # Past the step-8 checkpoint, and Ray has recorded it (its snapshot names it).
-        while (not logged_steps(killed) or logged_steps(killed)[-1] < 11
-               or latest_ray_checkpoint(killed / "train") is None):
-            assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
-            time.sleep(0.05)
-    finally:
-        kill_run(proc)  # the driver, Ray and both workers, at once
-    assert not (killed / "train" / "DONE.json").exists() and not (killed / "train" / "metrics.json").exists()
-    assert logged_steps(killed)[-1] < 23  # killed mid-run, not after it
+        try:
+            # Past the step-8 checkpoint, and Ray has recorded it (its snapshot names it).
+            while (not logged_steps(killed) or logged_steps(killed)[-1] < 11
+                   or latest_ray_checkpoint(killed / "train") is None):
+                assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
+                time.sleep(0.05)
+        finally:
+            kill_run(proc)  # the driver, Ray and both workers, at once
+        assert not (killed / "train" / "DONE.json").exists() and not (killed / "train" / "metrics.json").exists()
+        assert logged_steps(killed)[-1] < 23  # killed mid-run, not after it
 
-    done = subprocess.run(train_command(tiny_target, killed, *args), cwd=ROOT, env=env, capture_output=True,
-                          text=True)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "train: resuming from step 8" in done.stdout
+        done = subprocess.run(train_command(tiny_target, killed, *args), cwd=ROOT, env=env, capture_output=True,
+                              text=True)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "train: resuming from step 8" in done.stdout
+        assert ref_proc.wait(timeout=600) == 0, (tmp_path / "reference.log").read_text()[-3000:]
+    finally:
+        if ref_proc.poll() is None:
+            kill_run(ref_proc)
     got, want = records(killed), records(reference)
     assert [r["step"] for r in want] == list(range(24))
     assert got == want
@@ -245,3 +253,16 @@ def test_quality_ablation_bench_runs_its_grid_on_a_validation_split(tiny_target,
     meta = result["meta"]
     assert meta["val"] >= 1 and meta["fit"] + meta["val"] == len(train) < len(reader.index)  # never the held-out
     assert "| fc_norm |" in out.with_suffix(".md").read_text()
+
+
+def test_the_validation_split_is_drawn_independently_of_the_heldout_split():
+    """The train samples are those whose id hashes above data.heldout_fraction; the
+    validation split must still take its own share of them (an unsalted hash took none
+    below that fraction)."""
+    from bench.bench_quality import is_validation
+    from workflows.generate.ingest import split_of
+
+    train = [i for i in (f"bundled:default-{k:04d}" for k in range(4000)) if split_of(i, 0.15) == "train"]
+    for fraction in (0.1, 0.2):
+        share = sum(is_validation(i, fraction) for i in train) / len(train)
+        assert abs(share - fraction) < 0.02, (fraction, share)

@@ -15,8 +15,9 @@ from eagle3.ttt import shift_left, unroll
 from tests.helpers import random_draft, tiny_draft_config
 
 
-def stepwise_reference(draft, input_ids, aux, length, steps):
-    """[steps][T, H] outputs of one sequence, decoded row by row with a KV cache."""
+def stepwise_reference(draft, input_ids, aux, length, steps, shift=True):
+    """[steps][T, H] outputs of one sequence, decoded row by row with a KV cache (step j at
+    position t + j, or at t when not `shift`)."""
     t_total = input_ids.shape[0]
     outs = [torch.zeros(t_total, draft.cfg.hidden_size, dtype=aux.dtype) for _ in range(steps)]
     fused = draft.fuse(aux[None])
@@ -30,7 +31,7 @@ def stepwise_reference(draft, input_ids, aux, length, steps):
         for j in range(1, steps):
             tok_index = t + 1 + j
             tok = input_ids[tok_index] if tok_index < t_total else torch.tensor(0)
-            hidden = draft.step(tok.view(1, 1), hidden, torch.tensor([[t + j]]), cache)
+            hidden = draft.step(tok.view(1, 1), hidden, torch.tensor([[t + j if shift else t]]), cache)
             outs[j][t] = hidden[0, 0]
     return outs
 
@@ -60,6 +61,26 @@ def test_unroll_equals_kv_cache_decoding(seed, backend):
                 # Rows whose step-j token lies beyond the sequence still match (padding
                 # token 0 on both sides); only rows inside the sample are compared.
                 torch.testing.assert_close(ttt[j][i, :n], ref[j][:n], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("backend", ["dense", "flex"])
+def test_fixed_positions_keep_every_step_at_its_row(backend):
+    """ttt.positions=fixed (SpecForge 0.2.0's SDPA path): the same decoding with every step's
+    RoPE position left at t; it differs from the shifted unroll from step 1 on."""
+    cfg = tiny_draft_config()
+    draft = random_draft(cfg, seed=3)
+    input_ids = torch.randint(0, cfg.vocab_size, (1, 10))
+    aux = torch.randn(1, 10, cfg.num_aux * cfg.target_hidden_size, dtype=torch.float64)
+    mask = torch.ones(1, 10, dtype=torch.bool)
+    with torch.no_grad():
+        fixed = unroll(draft, input_ids, aux, mask, 4, attention=backend, shift_positions=False)
+        shifted = unroll(draft, input_ids, aux, mask, 4, attention=backend)
+        ref = stepwise_reference(draft, input_ids[0], aux[0], 10, 4, shift=False)
+    for j in range(4):
+        torch.testing.assert_close(fixed[j][0], ref[j], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(fixed[0], shifted[0], rtol=0, atol=0)
+    assert not torch.allclose(fixed[1], shifted[1])
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

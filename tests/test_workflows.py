@@ -136,6 +136,7 @@ def test_tiny_draft_learns_within_a_minute(tiny_target, tmp_path):
         "data.max_new_tokens=64", "train.steps=150", "train.optim.lr=3e-3", "train.compute_dtype=float32", *FP32,
         "train.ttt.noise.std=0.01", "train.log_every=50", "tracking.wandb=true", "tracking.mode=offline", *SECRETS,
         "train.backend=local",  # the plain loop; Ray Train + DeepSpeed: test_pipeline_runs_and_reuses
+        "stages=[target,generate,capture,vocab,train]",  # export and evaluate: tests/test_evaluate.py
     )
     out = full.run(cfg)
     metrics = json.loads((out["train"] / "metrics.json").read_text())

@@ -1,6 +1,7 @@
 """The one Ray start-up every stage uses, from the `cluster` config block.
 
-`cluster.address` null starts (or joins this process's) local Ray bound to 127.0.0.1, with
+`cluster.address` null starts (or joins this process's) local Ray bound to 127.0.0.1 (a
+new one: never a cluster that `ray start` left recorded on the machine), with
 the dashboard on `cluster.dashboard_host` (127.0.0.1) and port 8265, or the next free one
 when another local Ray holds it; otherwise `ray.init(address=...)` joins an existing
 cluster. A Ray already initialised in this process (a test session's, a notebook's) is
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from workflows.core.config import PROJECT_ROOT, ClusterSection
+from workflows.core.config import PROJECT_ROOT, ClusterSection, ConfigError
 
 
 # Never uploaded with `cluster.code=upload`: outputs, caches, environments, VCS data.
@@ -34,8 +35,20 @@ def ensure_ray(cluster: ClusterSection) -> None:
     common = dict(runtime_env=runtime_env(cluster), log_to_driver=True, configure_logging=True,
                   logging_level="WARNING")
     if cluster.address:
-        ray.init(address=cluster.address, **common)
+        try:
+            ray.init(address=cluster.address, **common)
+        except ConnectionError as err:
+            # `ray start --head` turns token authentication on, and Ray sends no token to an
+            # address given explicitly unless told to (it would hand this machine's token to
+            # whatever listens there), so the usual cause deserves a line of its own.
+            raise ConfigError(
+                f"cluster.address={cluster.address}: could not join the Ray cluster ({err}). If it "
+                "uses token authentication (the default of `ray start --head`), set RAY_AUTH_MODE=token "
+                "and provide its token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)") from err
         return
     port = {} if cluster.dashboard_port is None else {"dashboard_port": cluster.dashboard_port}
-    ray.init(num_cpus=cluster.num_cpus or os.cpu_count(), include_dashboard=cluster.dashboard,
+    # address="local": a new Ray for this job. Without it Ray would join whatever cluster
+    # `ray start` last recorded on this machine (/tmp/ray/ray_current_cluster), and refuse
+    # num_cpus while at it, or fail on a stale record of one that has gone.
+    ray.init(address="local", num_cpus=cluster.num_cpus or os.cpu_count(), include_dashboard=cluster.dashboard,
              dashboard_host=cluster.dashboard_host, _node_ip_address="127.0.0.1", **port, **common)

@@ -98,7 +98,8 @@ def regenerate_shards(cfg: FullConfig, target_path: Path, plans: list[dict], lay
     import ray
 
     ensure_ray(cfg.cluster)
-    threads = cfg.data.threads_per_engine or max(1, (os.cpu_count() or 1) // cfg.data.num_engines)
+    engines = max(1, min(cfg.data.num_engines, len(plans)))  # an engine without a shard would only load
+    threads = cfg.data.threads_per_engine or max(1, (os.cpu_count() or 1) // engines)
     device = engine_device(cfg)
     settings = dict(max_new_tokens=cfg.data.max_new_tokens, temperature=cfg.data.temperature, top_p=cfg.data.top_p,
                     reasoning=cfg.data.reasoning, keep_reasoning=cfg.data.keep_reasoning,
@@ -110,7 +111,7 @@ def regenerate_shards(cfg: FullConfig, target_path: Path, plans: list[dict], lay
         ShardRegenerator, fn_constructor_kwargs={
             "target_path": str(target_path), "settings": settings, "prompts_file": str(layout.prompts_file),
             "shards_folder": str(layout.corpus_shards), "batch_size": cfg.data.batch_size},
-        batch_size=1, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=cfg.data.num_engines),
+        batch_size=1, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=engines),
         num_cpus=1 if cfg.data.backend == "hf" else 0.5)
     # Ray metrics: conversations done (of those pending), answer tokens generated and per second.
     conversations = StageMetrics("generate", "conversations", total=sum(p["stop"] - p["start"] for p in plans))
@@ -193,7 +194,7 @@ def run(cfg: FullConfig, target_path: Path, on_commit: Callable[[int], None] | N
     plans = [{"shard": k, "start": k * size, "stop": k * size + n} for k, n in expected.items() if k not in done]
     log(f"generate: {len(rows)} conversations in {len(expected)} shards, {len(done)} already committed, "
         f"{sum(p['stop'] - p['start'] for p in plans)} conversations to regenerate "
-        f"({cfg.data.backend} x{cfg.data.num_engines})")
+        f"({cfg.data.backend} x{max(1, min(cfg.data.num_engines, len(plans)))})")
     if plans:
         regenerate_shards(cfg, target_path, plans, layout, on_commit)
     shards = layout.committed_corpus_shards()
