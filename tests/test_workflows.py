@@ -133,7 +133,9 @@ def test_tiny_draft_learns_within_a_minute(tiny_target, tmp_path):
     """The foundation's promise: a minute of training on the tiny target lifts acceptance."""
     cfg = compose_cfg(
         "target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={tmp_path}", "mixture=bundled",
-        "data.max_new_tokens=64", "train.steps=150", "train.optim.lr=3e-3", "train.compute_dtype=float32", *FP32,
+        # Pinned, not the laptop defaults (which size `make run`): 48 conversations, 4 per step.
+        "data.limit=48", "data.max_new_tokens=64", "train.steps=150", "train.batch_size=4",
+        "train.optim.lr=3e-3", "train.optim.warmup_steps=20", "train.compute_dtype=float32", *FP32,
         "train.ttt.noise.std=0.01", "train.log_every=50", "tracking.wandb=true", "tracking.mode=offline", *SECRETS,
         "train.backend=local",  # the plain loop; Ray Train + DeepSpeed: test_pipeline_runs_and_reuses
         "stages=[target,generate,capture,vocab,train]",  # export and evaluate: tests/test_evaluate.py

@@ -82,9 +82,10 @@ class DataSection:
     # Ray Data actor pool of target engines, computing in `dtype`.
     backend: Literal["hf", "sglang"] = "hf"
     dtype: DTYPE = "auto"
-    # Engines (Ray actors), at most one per pending shard. Two single-thread HF engines
-    # decoded 1.5x the tokens/s of one two-thread engine on a 2-core EPYC (57 + 57 vs 77
-    # at 32 rows, fp32): decoding is memory-bound. GPU presets set one engine per TP group.
+    # Engines (Ray actors), at most one per pending shard. Threads scale poorly in CPU
+    # decoding: on a 2-core EPYC (fp32, 32 rows, each measured alone) one thread decoded 57
+    # answer tokens/s and two threads 77, so the cores go to separate engines. GPU presets
+    # set one engine per TP group.
     num_engines: int = 2
     threads_per_engine: int = 0  # 0: the machine's cores divided by the engines started
     shard_size: int = 32  # conversations per committed output shard
@@ -258,8 +259,9 @@ class EvaluateSection:
     tree_topk: int = 0
     tree_num_draft_tokens: int = 8
     # Held-out conversations decoded, and tokens per answer (capped by the held-out answer's
-    # length). On a CPU a 135M target decodes ~12 tokens/s one sequence at a time, twice
-    # over (plain greedy and speculative): 8 x 64 keeps it to about a minute and a half.
+    # length). Each is decoded twice (plain greedy and speculative), one sequence at a time:
+    # on a 2-core EPYC the 135M target ran 7.4 tokens/s that way, and 8 x 64 took about
+    # 2.5 of the evaluate stage's 2.9 minutes.
     max_prompts: int = 8
     max_new_tokens: int = 64
     # Target and draft while decoding. auto: the serving dtype (target.dtype, as exported)
