@@ -74,3 +74,12 @@ def kill_run(proc, timeout: float = 60) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"processes of the killed run's session {proc.pid} still alive: {alive}")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a server or a Ray head a test starts)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

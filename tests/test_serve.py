@@ -1,12 +1,12 @@
 """What SGLang will really do with the drafting arguments; the launch command; benchmark."""
 import os
 import signal
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port
 from workflows.tools.serve import ServeArgsError, launch_command, resolve_spec_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,17 +55,11 @@ def test_launch_command_and_env():
     assert args.tp_size == 8 and args.host == "127.0.0.1"
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_benchmark_against_a_cpu_sglang_server(tiny_target):
     from workflows.tools.benchmark import run_benchmark, wait_healthy
 
-    port = _free_port()
+    port = free_port()
     e = resolve_spec_args(3, 1, 4, "LlamaForCausalLM")
     argv, env = launch_command(str(tiny_target), "", e, port=port, cpu=True, speculative=False,
                                extra_args=["--log-level", "warning", "--skip-server-warmup"])

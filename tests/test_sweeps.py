@@ -212,14 +212,6 @@ ray.shutdown()
 """
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_a_job_joins_an_existing_cluster_and_ships_its_code(tmp_path):
     """cluster=existing: a Ray head started apart (`ray start --head`, as on a cluster's head
     node) is joined by address, not replaced by a local Ray; with cluster.code=upload its
@@ -231,7 +223,7 @@ def test_a_job_joins_an_existing_cluster_and_ships_its_code(tmp_path):
     import sys
     import time
 
-    from tests.helpers import kill_run
+    from tests.helpers import free_port, kill_run
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_AUTH_MODE")}
     env["OMP_NUM_THREADS"] = "1"

@@ -90,6 +90,12 @@ def engine_device(cfg: FullConfig) -> str:
     return "cuda" if cfg.data.backend == "sglang" and torch.cuda.is_available() else "cpu"
 
 
+def engine_count(cfg: FullConfig, pending_shards: int) -> int:
+    """Engines to start: data.num_engines, but never more than the shards to do (an engine
+    without a shard would only load the target)."""
+    return max(1, min(cfg.data.num_engines, pending_shards))
+
+
 def regenerate_shards(cfg: FullConfig, target_path: Path, plans: list[dict], layout: RunLayout,
                       on_commit: Callable[[int], None] | None = None) -> None:
     """Send the pending shard plans (`shard`, `start`, `stop`: rows of prompts.parquet)
@@ -98,7 +104,7 @@ def regenerate_shards(cfg: FullConfig, target_path: Path, plans: list[dict], lay
     import ray
 
     ensure_ray(cfg.cluster)
-    engines = max(1, min(cfg.data.num_engines, len(plans)))  # an engine without a shard would only load
+    engines = engine_count(cfg, len(plans))
     threads = cfg.data.threads_per_engine or max(1, (os.cpu_count() or 1) // engines)
     device = engine_device(cfg)
     settings = dict(max_new_tokens=cfg.data.max_new_tokens, temperature=cfg.data.temperature, top_p=cfg.data.top_p,
@@ -194,7 +200,7 @@ def run(cfg: FullConfig, target_path: Path, on_commit: Callable[[int], None] | N
     plans = [{"shard": k, "start": k * size, "stop": k * size + n} for k, n in expected.items() if k not in done]
     log(f"generate: {len(rows)} conversations in {len(expected)} shards, {len(done)} already committed, "
         f"{sum(p['stop'] - p['start'] for p in plans)} conversations to regenerate "
-        f"({cfg.data.backend} x{max(1, min(cfg.data.num_engines, len(plans)))})")
+        f"({cfg.data.backend} x{engine_count(cfg, len(plans))})")
     if plans:
         regenerate_shards(cfg, target_path, plans, layout, on_commit)
     shards = layout.committed_corpus_shards()
