@@ -331,3 +331,36 @@ def test_record_split_needs_a_valid_split_field(tmp_path):
                     + json.dumps({"prompt": "second one", "split": "validation"}) + "\n")
     with pytest.raises(ingest.IngestError, match=r"p.jsonl:2: field 'split' must be 'train' or 'heldout'.*'validation'"):
         ingest.ingest_dataset("mine", str(path), "prompts", "jsonl", None, 1.0, "record", 0.15, set())
+
+
+def test_prompt_field_names_the_prompt_of_instruction_datasets(tmp_path):
+    path = tmp_path / "code.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [{"instruction": "Write a sort.", "response": "def s(): ..."},
+                                                       {"instruction": "  "}]))
+    rows, counts = ingest.ingest_dataset("code", str(path), "prompts", "auto", None, 1.0, "auto", 0.5, set(),
+                                         log=lambda _m: None, prompt_field="instruction")
+    assert [r["messages"] for r in rows] == [[{"role": "user", "content": "Write a sort.", "reasoning_content": None}]]
+    assert counts["skipped_empty_prompt"] == 1 and counts["records"] == 2
+    # A record without the named field is fatal, naming file, line and field.
+    with pytest.raises(ingest.IngestError, match=r"code.jsonl:3: missing field 'instruction' \(format prompts\)"):
+        ingest.normalise({"prompt": "not this one"}, "prompts", f"{path}:3", prompt_field="instruction")
+    assert ingest.normalise({"instruction": "Hi"}, "auto", "x", prompt_field="instruction")[0][0]["content"] == "Hi"
+
+
+def test_kimi_public_mixture_is_nine_hub_datasets_and_offline_says_which(tmp_path, monkeypatch):
+    cfg = compose("+experiment=kimi_k25")
+    assert list(cfg.mixture) == ["ultrachat", "sharegpt", "perfectblend", "numina_math", "magicoder",
+                                 "magpie_chinese", "function_calling", "agent_instruct", "writing_prompts"]
+    assert all(d.source == "file" and d.path.startswith("hf://datasets/") for d in cfg.mixture.values())
+    assert (cfg.mixture["magicoder"].format, cfg.mixture["magicoder"].prompt_field) == ("prompts", "instruction")
+    assert cfg.mixture["ultrachat"].format == "openai" and cfg.mixture["perfectblend"].format == "sharegpt"
+    # Without the Hub (this machine), generate stops at the first dataset and names it.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    from workflows.generate import stage
+
+    with pytest.raises(ingest.IngestError, match=r"^mixture.ultrachat: hf://datasets/HuggingFaceH4/ultrachat_200k/"
+                                                 r"data/train_sft-\*.parquet: cannot list the files \(.*offline"):
+        stage.ingest_mixture(compose("+experiment=kimi_k25", f"cache_dir={tmp_path}"))

@@ -8,7 +8,8 @@ Formats (`format`, or `auto` to detect per record):
   SGLang 0.5.23 flattens a parts list for a text-only chat template
   (`process_content_for_template_format`, "string" format), so the prompt the target sees
   here is the one it is served; every other part is dropped and counted.
-* `prompts`:  `{"prompt": "...", "system"?: "..."}`
+* `prompts`:  `{"prompt": "...", "system"?: "..."}`; `prompt_field` names another string field
+  holding the prompt (instruction datasets: `instruction`, `question`, `problem`)
 Files: JSON (a list of records), JSONL (optionally .gz), Parquet; local paths or fsspec
 URLs (`memory://`, `s3://`, ...; compression inferred from the name). A UTF-8 byte-order
 mark at the start of a JSON/JSONL file is accepted (editors on Windows write one).
@@ -203,16 +204,17 @@ def _turns(items, role_key, text_key, roles, allow_parts=False) -> tuple[list[di
     return out, dropped
 
 
-def normalise(record: Any, fmt: str, location: str) -> tuple[list[dict], int]:
+def normalise(record: Any, fmt: str, location: str, prompt_field: str = "prompt") -> tuple[list[dict], int]:
     """Messages of one record and the number of non-text content parts dropped from it;
     raises IngestError (fatal) or Skip (counted)."""
     if not isinstance(record, dict):
         raise IngestError(f"{location}: a record must be a JSON object, got {type(record).__name__}")
+    fields = {**FORMAT_FIELD, "prompts": prompt_field}
     if fmt == "auto":
-        fmt = next((f for f, key in FORMAT_FIELD.items() if key in record), None)
+        fmt = next((f for f, key in fields.items() if key in record), None)
         if fmt is None:
-            raise IngestError(f"{location}: no 'conversations', 'messages' or 'prompt' field")
-    key = FORMAT_FIELD[fmt]
+            raise IngestError(f"{location}: no 'conversations', 'messages' or {prompt_field!r} field")
+    key = fields[fmt]
     if key not in record:
         raise IngestError(f"{location}: missing field {key!r} (format {fmt})")
     dropped = 0
@@ -222,7 +224,7 @@ def normalise(record: Any, fmt: str, location: str) -> tuple[list[dict], int]:
         messages, dropped = _turns(record[key], "role", "content", OPENAI_ROLES, allow_parts=True)
     else:
         if not isinstance(record[key], str):
-            raise IngestError(f"{location}: field 'prompt' must be a string")
+            raise IngestError(f"{location}: field {key!r} must be a string")
         if not record[key].strip():
             raise Skip("empty_prompt")
         messages = [{"role": "user", "content": record[key], "reasoning_content": None}]
@@ -259,7 +261,8 @@ def row_split(record: dict, location: str, split: str, sample_id: str, heldout_f
 
 
 def ingest_dataset(name: str, path: str, fmt: str, file_type: str, limit: int | None, weight: float,
-                   split: str, heldout_fraction: float, seen: set[str], log=print) -> tuple[list[dict], Counter]:
+                   split: str, heldout_fraction: float, seen: set[str], log=print,
+                   prompt_field: str = "prompt") -> tuple[list[dict], Counter]:
     """Normalised rows of one dataset plus its counts (read, kept, skipped_<reason>)."""
     rows, counts = [], Counter()
     first_seen: dict[str, str] = {}
@@ -268,7 +271,7 @@ def ingest_dataset(name: str, path: str, fmt: str, file_type: str, limit: int | 
             break
         counts["records"] += 1
         try:
-            messages, dropped_parts = normalise(record, fmt, location)
+            messages, dropped_parts = normalise(record, fmt, location, prompt_field)
         except Skip as skip:
             counts[f"skipped_{skip.reason}"] += 1
             first_seen.setdefault(skip.reason, f"{location} {skip.detail}".strip())
@@ -345,7 +348,10 @@ def expand_paths(path: str) -> list[str]:
         return [path]
     import fsspec
 
-    fs, _, paths = fsspec.core.get_fs_token_paths(path)
+    try:
+        fs, _, paths = fsspec.core.get_fs_token_paths(path)
+    except OSError as exc:  # unreachable store, offline Hub, missing credentials
+        raise IngestError(f"{path}: cannot list the files ({exc})") from None
     if not paths:
         raise IngestError(f"{path}: the pattern matches no file")
     return [fs.unstrip_protocol(p) if "://" in path else p for p in sorted(paths)]

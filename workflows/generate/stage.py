@@ -55,23 +55,35 @@ def ingest_mixture(cfg: FullConfig) -> tuple[list[dict], dict[str, Counter]]:
         raise ConfigError("mixture: no datasets configured (e.g. mixture=default)")
     rows, counts, seen = [], {}, set()
     for name, spec in cfg.mixture.items():
-        if spec.source == "file":
-            paths = ingest.expand_paths(str(resolve_data_path(spec.path)) if "://" not in spec.path else spec.path)
-        else:
-            paths = [offline_sources.materialise(spec.source, cfg.cache_path)]
-        limit = min(x for x in (spec.limit, cfg.data.limit, 1 << 62) if x is not None)
-        total = Counter()
-        for path in paths:
-            if total["conversations"] >= limit:
-                break
-            got, c = ingest.ingest_dataset(name, path, spec.format, spec.file_type, limit - total["conversations"],
-                                           spec.weight, spec.split, cfg.data.heldout_fraction, seen, log=log)
-            rows += got
-            total.update(c)
+        try:
+            got, total, paths = _ingest_one(cfg, name, spec, seen)
+        except ingest.IngestError as exc:  # name the dataset: a mixture can hold nine
+            raise ingest.IngestError(f"mixture.{name}: {exc}") from None
+        rows += got
         counts[name] = total
         log(f"generate: {name}: {total['conversations']} conversations from {len(paths)} file(s)")
         ingest.require_conversations(name, paths, total)  # an empty dataset is a mistake: stop
     return rows, counts
+
+
+def _ingest_one(cfg: FullConfig, name: str, spec, seen: set[str]) -> tuple[list[dict], Counter, list[str]]:
+    """One dataset of the mixture: its normalised rows, counts and files."""
+    rows: list[dict] = []
+    if spec.source == "file":
+        paths = ingest.expand_paths(str(resolve_data_path(spec.path)) if "://" not in spec.path else spec.path)
+    else:
+        paths = [offline_sources.materialise(spec.source, cfg.cache_path)]
+    limit = min(x for x in (spec.limit, cfg.data.limit, 1 << 62) if x is not None)
+    total = Counter()
+    for path in paths:
+        if total["conversations"] >= limit:
+            break
+        got, c = ingest.ingest_dataset(name, path, spec.format, spec.file_type, limit - total["conversations"],
+                                       spec.weight, spec.split, cfg.data.heldout_fraction, seen, log=log,
+                                       prompt_field=spec.prompt_field)
+        rows += got
+        total.update(c)
+    return rows, total, paths
 
 
 # ----------------------------------------------------------------------------- shards
