@@ -1,9 +1,11 @@
 """Capture throughput vs the same engine's bare forward on the same batches, in one run.
 
-    python -m bench.bench_capture [--target PATH] [--samples 64] [--length 256] [--shard-samples 16]
+    python -m bench.bench_capture [--backend hf|sglang] [--target PATH] [--samples 64] [--length 256]
 
-The bare forward is the HF target's plain `model(...)` over the capture engine's own
-micro-batches. The capture adds the hooks, `output_hidden_states`, bf16 conversion and the
+HF: the bare forward is the target's plain `model(...)` over the capture engine's own
+micro-batches. SGLang: the same sequences as a plain prefill through the capture worker's
+own engine (no state returned), against the capture (states returned, the final state from
+the last layer's tail, written to the store). The capture adds the hooks, `output_hidden_states`, bf16 conversion and the
 Zarr writes, which `capture_and_write` overlaps with the next shard's compute. Prints both
 tokens/s and the ratio capture/bare (aim >= 0.90). Default target: the `tiny` preset
 (prepared into .cache on first use); pass --target for a bigger checkpoint.
@@ -29,19 +31,20 @@ def main() -> None:
     ap.add_argument("--micro-batch-tokens", type=int, default=4096)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--backend", choices=["hf", "sglang"], default="hf")
     args = ap.parse_args()
 
     from storage.store import HiddenStateStore
     from workflows.capture.writer import ShardPlan, capture_and_write
-    from workflows.core.engines import EngineSpec, HFEngine
+    from workflows.core.engines import EngineSpec, make_engine
     from workflows.core.provenance import read_hf_config
 
     target = Path(args.target) if args.target else _tiny_target()
     _, text = read_hf_config(target)
     n_layers, hidden = text["num_hidden_layers"], text["hidden_size"]
     ids = args.layer_ids or [1, n_layers // 2 - 1, n_layers - 4] if n_layers >= 8 else args.layer_ids or [0, 2, 4]
-    engine = HFEngine(EngineSpec(str(target), dtype=args.dtype, layer_ids=ids,
-                                 micro_batch_tokens=args.micro_batch_tokens))
+    engine = make_engine(args.backend, EngineSpec(str(target), dtype=args.dtype, layer_ids=ids,
+                                                  micro_batch_tokens=args.micro_batch_tokens))
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, text["vocab_size"], (args.length - (i % 7) * 3,), generator=g).tolist()
             for i in range(args.samples)]
@@ -49,7 +52,7 @@ def main() -> None:
                        seqs[k : k + args.shard_samples], [[1] * len(s) for s in seqs[k : k + args.shard_samples]])
              for k in range(0, len(seqs), args.shard_samples)]
     tokens = sum(len(s) for s in seqs)
-    engine.bare_forward(seqs[: args.shard_samples])  # warm-up
+    engine.bare_forward(seqs[: args.shard_samples])  # warm-up (and SGLang's engine start)
     prov = {"hidden_size": hidden, "capture_layer_ids": ids, "final_is_normed": True, "target": {}}
     bare_s, cap_s = [], []
     tmp = Path(tempfile.mkdtemp(prefix="bench_capture_"))
@@ -67,7 +70,8 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     bare, cap = tokens / min(bare_s), tokens / min(cap_s)
-    print({"target": str(target), "layers": n_layers, "hidden": hidden, "tokens": tokens,
+    engine.close()
+    print({"backend": args.backend, "target": str(target), "layers": n_layers, "hidden": hidden, "tokens": tokens,
            "bare_forward_tok_per_s": round(bare), "capture_tok_per_s": round(cap), "ratio": round(cap / bare, 3),
            "threads": torch.get_num_threads()})
 

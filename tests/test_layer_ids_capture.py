@@ -88,3 +88,83 @@ def test_ids_sglang_cannot_serve_are_refused_by_name():
         check_sglang_servable([1, 29, 60], 61, "deepseek_v3")
     with pytest.raises(ConfigError, match=r"inputs of layers \[-1, 2, 30\], i.e. ids \[-2, 1, 29\], not the trained"):
         check_sglang_servable([-1, 2, 30], 61, "deepseek_v3", "target.capture_layer_ids")
+
+
+@pytest.mark.parametrize("ids, model_type, request_, slots", [
+    # Llama: SGLang adds 1 to each requested id; N-2 (the last layer's input) is added once.
+    ([1, 14, 26], "llama", [1, 14, 26, 28], {1: 0, 14: 1, 26: 2, 28: 3}),
+    ([0, 2, 4], "llama", [0, 2, 4], {0: 0, 2: 1, 4: 2}),  # N=6: id 4 is already N-2
+    ([1, 2, 5], "llama", [1, 2, 4], {1: 0, 2: 1, 4: 2}),  # id N-1 has no slot: the tail gives it
+    # DeepSeek family: the request is taken as layer inputs unless it starts with 1.
+    ([1, 29, 57], "deepseek_v3", [2, 30, 58, 60], {1: 0, 29: 1, 57: 2, 59: 3}),
+    ([-1, 2, 30], "kimi_k25", [0, 3, 31, 60], {-1: 0, 2: 1, 30: 2, 59: 3}),
+])
+def test_sglang_capture_plan_asks_for_the_ids_and_the_last_layers_input(ids, model_type, request_, slots):
+    from eagle3.layer_ids import sglang_capture_plan, sglang_layer_inputs
+
+    num_layers = {"llama": 30, "deepseek_v3": 61, "kimi_k25": 61}[model_type] if ids[0] != 0 and 5 not in ids else 6
+    request, slot = sglang_capture_plan(ids, num_layers, model_type)
+    assert (request, slot) == (request_, slots)
+    # What SGLang then captures (its family rule) is exactly the slots' ids, in layer order.
+    assert [i - 1 for i in sglang_layer_inputs(request, model_type)] == sorted(slot)
+
+
+def test_sglang_capture_plan_refuses_what_the_engine_cannot_return():
+    from eagle3.layer_ids import sglang_capture_plan
+
+    with pytest.raises(ConfigError, match=r"cannot return id -1 \(the embeddings\) for a llama target"):
+        sglang_capture_plan([-1, 2, 4], 6, "llama")
+    with pytest.raises(ConfigError, match=r"cannot capture id 0 first for a deepseek_v3 target"):
+        sglang_capture_plan([0, 29, 57], 61, "deepseek_v3")
+
+
+@pytest.mark.parametrize("ids", [[0, 2, 4], [1, 3, 5]])
+def test_the_last_layer_tail_gives_hfs_final_state(tiny_target, ids):
+    """norm(layer_{N-1}(id N-2)), from one layer loaded alone, equals the whole model's final
+    state (and its pre-norm output equals id N-1): what an SGLang capture computes in one pass."""
+    from workflows.core.final_tail import FinalLayerTail
+    from workflows.core.targets import load_target
+
+    model, _ = load_target(tiny_target)
+    torch.manual_seed(0)
+    ids_ = torch.randint(0, 1000, (1, 23))
+    aux, final = capture_states(model, ids_, torch.ones_like(ids_), [4, 5])
+    tail = FinalLayerTail(tiny_target, torch.float32)
+    assert tail.num_layers == 6
+    out, normed = tail(aux[0, :, :64])
+    torch.testing.assert_close(normed, final[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, aux[0, :, 64:], atol=1e-5, rtol=1e-5)
+    # Causal: a prefix gives the same states as the whole sequence's first rows.
+    torch.testing.assert_close(tail(aux[0, :9, :64])[1], final[0, :9], atol=1e-5, rtol=1e-5)
+
+
+def test_the_tail_refuses_a_checkpoint_it_cannot_run_alone(tiny_target, tmp_path):
+    import json
+    import shutil
+
+    from workflows.core.final_tail import FinalLayerTail, TailUnavailable
+
+    quantized = tmp_path / "q"
+    shutil.copytree(tiny_target, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "x"}}))
+    with pytest.raises(TailUnavailable, match="a quantized checkpoint"):
+        FinalLayerTail(quantized, torch.float32)
+    (quantized / "config.json").write_text(json.dumps(config))
+    (quantized / "model.safetensors").unlink()
+    with pytest.raises(TailUnavailable, match="no safetensors checkpoint"):
+        FinalLayerTail(quantized, torch.float32)
+
+
+def test_the_tail_batches_right_padded_sequences_exactly(tiny_target):
+    from workflows.core.final_tail import FinalLayerTail
+
+    tail = FinalLayerTail(tiny_target, torch.float32)
+    torch.manual_seed(1)
+    inputs = [torch.randn(n, 64) for n in (5, 17, 9, 1)]
+    outs, normed = tail.batch(inputs, token_budget=40)  # groups of mixed lengths, padded right
+    for x, o, f in zip(inputs, outs, normed):
+        one_o, one_f = tail(x)
+        assert o.shape == f.shape == x.shape
+        torch.testing.assert_close(o, one_o, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(f, one_f, atol=1e-5, rtol=1e-5)

@@ -28,6 +28,7 @@ def test_kimi_experiment_one_node_of_eight_gpus():
     assert cfg.target.name == "kimi_k25_int4" and cfg.target.tp_size == 8
     assert cfg.target.capture_ids == [1, 29, 57]
     assert (cfg.data.backend, cfg.data.num_engines, cfg.data.max_length) == ("sglang", 1, 8192)
+    assert cfg.data.gpus_per_engine == 8 and cfg.capture.final_state == "auto"
     assert (cfg.capture.backend, cfg.capture.actors, cfg.capture.gpus_per_actor) == ("sglang", 1, 8)
     t = cfg.train
     assert (t.ttt.length, t.ttt.noise.kind, t.ttt.noise.std) == (5, "gaussian", 0.05)
@@ -53,5 +54,16 @@ def test_llama_experiment_one_gpu():
     cfg = compose(["+experiment=llama31_8b"])
     assert cfg.target.name == "llama31_8b" and cfg.target.tp_size == 1
     assert (cfg.data.backend, cfg.capture.backend, cfg.capture.gpus_per_actor) == ("sglang", "sglang", 1)
+    assert cfg.data.gpus_per_engine == 1
     assert (cfg.train.num_workers, cfg.train.gpus_per_worker) == (1, 1)
     assert cfg.run_dir == "runs/llama31_8b"
+
+
+@pytest.mark.parametrize("override, field", [("data.gpus_per_engine=4", "data.gpus_per_engine=4"),
+                                             ("capture.gpus_per_actor=2", "capture.gpus_per_actor=2")])
+def test_an_sglang_actor_holds_exactly_its_tp_group(override, field):
+    with pytest.raises(ConfigError, match=rf"{field} but target.tp_size=8: an SGLang engine actor is one "
+                                          "tensor-parallel group"):
+        compose(["+experiment=kimi_k25", override])
+    # The HF backend runs on one GPU of its actor, whatever the TP size of the preset.
+    compose(["+experiment=kimi_k25", "capture.backend=hf", "capture.gpus_per_actor=1"])

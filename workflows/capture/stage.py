@@ -381,7 +381,8 @@ def _capture_with_ray(cfg: FullConfig, target_path, store: HiddenStateStore, tod
     engine = {"target_path": str(target_path), "layer_ids": cfg.target.capture_ids, "dtype": engine_dtype(cfg),
               "micro_batch_tokens": c.micro_batch_tokens, "trust_remote_code": cfg.target.trust_remote_code,
               "threads": max(1, int(c.cpus_per_actor)), "device": "cuda" if c.gpus_per_actor else "cpu",
-              "tp_size": cfg.target.tp_size if c.backend == "sglang" else 1, "seed": cfg.seed}
+              "tp_size": cfg.target.tp_size if c.backend == "sglang" else 1, "seed": cfg.seed,
+              "final_state": c.final_state}
     with warnings.catch_warnings():
         # Ray 2.60 has named parameters for resources but none yet for actor restarts: bounded
         # restarts still go through **ray_remote_args, whose deprecation warning says only that.

@@ -88,13 +88,17 @@ class DataSection:
     # set one engine per TP group.
     num_engines: int = 2
     threads_per_engine: int = 0  # 0: the machine's cores divided by the engines started
+    # GPUs each engine actor holds (Ray places it on one node with them); > 0 runs the engine
+    # on them: SGLang with tp_size = target.tp_size GPUs, HF on its one GPU. 0: the CPU.
+    gpus_per_engine: float = 0
     shard_size: int = 32  # conversations per committed output shard
     sglang_max_total_tokens: int = 4096  # KV pool of each SGLang engine on CPU (tokens; GPUs size their own)
 
     def validate(self, where: str = "data") -> None:
         check_ranges(self, where, limit=">=1", max_new_tokens=">=1", batch_size=">=1", max_length=">=2",
                      heldout_fraction="[0,1)", temperature=">=0", top_p="(0,1]", num_engines=">=1",
-                     threads_per_engine=">=0", shard_size=">=1", sglang_max_total_tokens=">=1")
+                     threads_per_engine=">=0", shard_size=">=1", sglang_max_total_tokens=">=1",
+                     gpus_per_engine=">=0")
 
 
 @dataclass
@@ -176,6 +180,10 @@ class CaptureSection:
     cpus_per_actor: float = 1.0
     gpus_per_actor: float = 0.0  # GPU presets: the target's tp_size (one actor per TP group)
     dtype: DTYPE = "auto"  # the engines' dtype
+    # SGLang: the final hidden state from the same forward as the aux states ("tail": the last
+    # layer and norm applied to its captured input, in the actor) or from a second engine run
+    # per call ("second_pass"); auto: tail unless the checkpoint's last layer cannot run alone.
+    final_state: Literal["auto", "tail", "second_pass"] = "auto"
     chunk_mb: float = 1.0  # Zarr chunk size of the state arrays (one Zarr shard file per array)
     compression: str = "none"  # or zstd[:level] (~1.28x on bf16 states, much slower)
     estimate_only: bool = False  # print bytes/token and the projected size, capture nothing
@@ -305,6 +313,12 @@ class FullConfig:
         unknown = [s for s in self.stages if s not in STAGES]
         if unknown:
             raise ConfigError(f"stages: unknown stage(s) {unknown}; known stages are {list(STAGES)}")
+        # An SGLang actor is one TP group: it must hold exactly the GPUs its engine shards over.
+        for field_, backend, gpus in (("data.gpus_per_engine", self.data.backend, self.data.gpus_per_engine),
+                                      ("capture.gpus_per_actor", self.capture.backend, self.capture.gpus_per_actor)):
+            if backend == "sglang" and gpus and gpus != self.target.tp_size:
+                raise ConfigError(f"{field_}={gpus:g} but target.tp_size={self.target.tp_size}: an SGLang engine "
+                                  "actor is one tensor-parallel group and holds exactly tp_size GPUs")
         size = self.draft.draft_vocab_size
         if size is not None and size > self.target.vocab_size:
             raise ConfigError(f"draft.draft_vocab_size={size} exceeds the target's vocab_size={self.target.vocab_size}")

@@ -39,6 +39,10 @@ class EngineSpec:
     tp_size: int = 1  # sglang: tensor parallel ranks
     seed: int = 0
     max_total_tokens: int | None = 4096  # sglang: the KV pool (tokens); null: SGLang sizes it
+    # sglang states(): the final hidden state from the same forward ("tail": the last layer's
+    # input, then that layer and the norm here), from a second engine run ("second_pass"), or
+    # the tail where the checkpoint allows it ("auto"); see workflows.core.sglang.
+    final_state: str = "auto"
 
 
 def make_engine(backend: str, spec: EngineSpec):

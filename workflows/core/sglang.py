@@ -7,13 +7,19 @@
   `vllm._custom_ops`; `workflows/sglang_cpu_shim` provides that one function and goes on
   the path of CPU SGLang processes only (`with_shim`).
 * `SGLangEngine` implements the engine interface of workflows.core.engines. Generation runs
-  an in-process Engine, created on first use and kept for the engine's life. Hidden
-  states: SGLang returns the aux states (`enable_return_aux_hidden_states`, layer ids in our
-  convention: id i is the output of layer i, the input of layer i+1) *instead of* the final
-  hidden state, so `final` (after the final norm) comes from a second engine in full mode
-  (`enable_return_hidden_states`), started after the first has shut down. Both run in a
-  child process (`python -m workflows.core.sglang ...`): the scheduler can SIGKILL its
-  caller on an error. Radix cache is off (with it on, only the uncached suffix comes back).
+  an in-process Engine, created on first use and kept for the engine's life.
+* Hidden states come from a capture worker: a child process (`python -m
+  workflows.core.sglang ...`, since the scheduler can SIGKILL its caller on an error) that
+  the engine starts on its first `states()` call and keeps for its life, i.e. one SGLang
+  engine per Ray actor for the whole stage, answering requests over a pipe. SGLang returns
+  the aux states (`enable_return_aux_hidden_states`) *instead of* the final hidden state and
+  cannot capture the last layer's output, so the worker also asks for id N-2, the last
+  layer's input (`eagle3.layer_ids.sglang_capture_plan`, which applies each family's id
+  rule), and the engine computes the last layer and the final norm from it in this process
+  (`workflows.core.final_tail`): one forward gives every state (`final_state=tail`). Where
+  that layer cannot run alone (a quantized checkpoint), `auto` falls back to a second
+  engine run in full mode per request (`second_pass`), and says so. Radix cache is off
+  (with it on, only the uncached suffix comes back).
 """
 from __future__ import annotations
 
@@ -24,6 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from eagle3.layer_ids import sglang_capture_plan
+from eagle3.schema import ConfigError
 from workflows.core.engines import EngineSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +67,19 @@ def speculative_args(num_steps: int, topk: int, num_draft_tokens: int) -> list[s
             "--speculative-eagle-topk", str(topk), "--speculative-num-draft-tokens", str(num_draft_tokens)]
 
 
+FINAL_METHODS = {"tail": "from the same forward (the last layer's input, then that layer and the final norm "
+                         "in the actor)",
+                 "second_pass": "from a second engine run per call (full mode), after the aux run"}
+
+
+def read_text_config(spec: EngineSpec) -> dict:
+    """The target's language-model config (a multimodal target's text_config)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(spec.target_path, trust_remote_code=spec.trust_remote_code)
+    return config.get_text_config().to_dict()
+
+
 def with_shim(env: dict) -> dict:
     """`env` with the CPU shim (and the project) first on PYTHONPATH."""
     paths = [str(SHIM_DIR), str(ROOT), env.get("PYTHONPATH", "")]
@@ -74,7 +95,9 @@ class SGLangEngine:
 
         self.spec, self.timeout_s = spec, timeout_s
         self.tokenizer = AutoTokenizer.from_pretrained(spec.target_path, trust_remote_code=spec.trust_remote_code)
-        self._engine = None
+        self._engine = None  # generation: an in-process engine
+        self._proc = None  # hidden states: the capture worker (a child process with its own engine)
+        self.engine_starts, self.final_method = 0, None
 
     @staticmethod
     def version() -> str:
@@ -99,27 +122,129 @@ class SGLangEngine:
             results.append((ids, "length" if finish == "length" else "eos"))
         return results
 
+    # ------------------------------------------------------------------ hidden states
+    def _start_capture_worker(self) -> None:
+        """The engine's child process, started once: it holds one SGLang engine for the
+        life of this engine (the actor's stage) and answers capture requests over a pipe."""
+        from workflows.core.final_tail import FinalLayerTail, TailUnavailable
+        from workflows.core.target_builders import torch_dtype
+
+        text = read_text_config(self.spec)
+        num_layers, model_type = int(text["num_hidden_layers"]), str(text.get("model_type", ""))
+        method, why = self.spec.final_state, ""
+        if method in ("auto", "tail"):
+            try:
+                self._tail = FinalLayerTail(self.spec.target_path, torch_dtype(self.spec.dtype),
+                                            "cuda" if self.spec.device == "cuda" else "cpu",
+                                            self.spec.trust_remote_code)
+                method = "tail"
+            except TailUnavailable as exc:
+                if method == "tail":
+                    raise ConfigError(f"capture.final_state=tail: {exc}") from None
+                method, why = "second_pass", f" ({exc})"
+        request, self._slots = sglang_capture_plan(self.spec.layer_ids, num_layers, model_type)
+        if method == "second_pass" and num_layers - 1 in self.spec.layer_ids:
+            raise ConfigError(f"capture id {num_layers - 1} (the last layer's output) needs the final-state tail, "
+                              f"which this target cannot use{why}: SGLang itself never returns that state")
+        self._num_layers, self.final_method = num_layers, method
+        print(f"capture: SGLang engine for the stage; final state {FINAL_METHODS[method]}{why}", flush=True)
+        self._tmp = tempfile.TemporaryDirectory(prefix="sglang_capture_")
+        spec_file = Path(self._tmp.name) / "spec.json"
+        spec_file.write_text(json.dumps({"spec": vars(self.spec), "method": method, "request": request}))
+        req_r, self._req_w = os.pipe()
+        self._resp_r, resp_w = os.pipe()
+        env = with_shim(dict(os.environ)) if self.spec.device == "cpu" else dict(os.environ)
+        self._stderr = open(Path(self._tmp.name) / "stderr.log", "w+")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "workflows.core.sglang", str(spec_file), str(req_r), str(resp_w)],
+            env=env, cwd=ROOT, pass_fds=(req_r, resp_w), stdout=self._stderr, stderr=self._stderr)
+        os.close(req_r)
+        os.close(resp_w)
+        self.engine_starts += 1
+        self._reply(self.timeout_s, "start")
+
+    def _reply(self, timeout_s: float, what: str) -> dict:
+        """The worker's next reply line; its death or silence is an error with its log's tail."""
+        import select
+
+        line = b""
+        while not line.endswith(b"\n"):
+            ready, _, _ = select.select([self._resp_r], [], [], timeout_s)
+            chunk = os.read(self._resp_r, 1 << 16) if ready else b""
+            if not chunk:
+                self._stderr.seek(0)
+                tail = self._stderr.read()[-3000:]
+                self.close()
+                cause = "did not answer in time" if not ready else f"exited (rc {self._proc_rc})"
+                raise RuntimeError(f"SGLang capture worker {cause} during {what}: {tail}")
+            line += chunk
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"SGLang capture failed: {reply['error']}")
+        return reply
+
     def states(self, seqs):
         import numpy as np
         import torch
 
-        with tempfile.TemporaryDirectory(prefix="sglang_capture_") as tmp:
-            spec_file, seqs_file, out = Path(tmp) / "spec.json", Path(tmp) / "seqs.json", Path(tmp) / "out.npz"
-            spec_file.write_text(json.dumps(vars(self.spec)))
-            seqs_file.write_text(json.dumps([list(map(int, s)) for s in seqs]))
-            cmd = [sys.executable, "-m", "workflows.core.sglang", str(spec_file), str(seqs_file), str(out)]
-            env = with_shim(dict(os.environ)) if self.spec.device == "cpu" else dict(os.environ)
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=self.timeout_s, cwd=ROOT)
-            if proc.returncode != 0 or not out.exists():
-                raise RuntimeError(f"SGLang capture failed (rc {proc.returncode}): {proc.stderr[-3000:]}")
-            data = np.load(out)
-            return [(torch.from_numpy(data[f"aux_{k}"]), torch.from_numpy(data[f"final_{k}"]))
-                    for k in range(len(seqs))]
+        if self._proc is None:
+            self._start_capture_worker()
+        seqs_file, out = Path(self._tmp.name) / "seqs.json", Path(self._tmp.name) / "out.npz"
+        seqs_file.write_text(json.dumps([list(map(int, s)) for s in seqs]))
+        os.write(self._req_w, (json.dumps({"seqs": str(seqs_file), "out": str(out)}) + "\n").encode())
+        self._reply(self.timeout_s, "capture")
+        with np.load(out) as data:
+            arrays = [(data[f"aux_{k}"], data[f"final_{k}"] if f"final_{k}" in data else None)
+                      for k in range(len(seqs))]
+        out.unlink()
+        H = arrays[0][0].shape[1] // len(self._slots)
+        blocks = [torch.from_numpy(aux).split(H, dim=1) for aux, _ in arrays]
+        if self.final_method == "tail":
+            last_outs, finals = self._tail.batch([b[self._slots[self._num_layers - 2]] for b in blocks],
+                                                 self.spec.micro_batch_tokens)
+        else:
+            last_outs, finals = [None] * len(arrays), [torch.from_numpy(final) for _, final in arrays]
+        results = []
+        for b, last_out, final in zip(blocks, last_outs, finals):
+            picked = [last_out if i == self._num_layers - 1 else b[self._slots[i]] for i in self.spec.layer_ids]
+            results.append((torch.cat(picked, dim=1), final))
+        return results
+
+    def bare_forward(self, seqs) -> None:
+        """The same sequences through the capture worker's engine as a plain prefill, no state
+        returned (the capture benchmark's baseline)."""
+        if self._proc is None:
+            self._start_capture_worker()
+        seqs_file = Path(self._tmp.name) / "seqs.json"
+        seqs_file.write_text(json.dumps([list(map(int, s)) for s in seqs]))
+        os.write(self._req_w, (json.dumps({"seqs": str(seqs_file), "bare": True}) + "\n").encode())
+        self._reply(self.timeout_s, "bare forward")
+
+    @property
+    def _proc_rc(self):
+        return None if self._proc is None else self._proc.poll()
 
     def close(self) -> None:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+        if self._proc is not None:
+            os.close(self._req_w)  # EOF: the worker shuts its engine down and exits
+            try:
+                self._proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            os.close(self._resp_r)
+            self._stderr.close()
+            self._tmp.cleanup()
+            self._proc = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 def _prefill_states(engine, seqs: list[list[int]]) -> list:
@@ -137,13 +262,20 @@ def _prefill_states(engine, seqs: list[list[int]]) -> list:
     return states
 
 
-def capture(spec: EngineSpec, seqs: list[list[int]]) -> tuple[list, list]:
-    """(aux [T, n*H], final [T, H]) float32 per sequence, by two engine runs (module doc)."""
+def _aux_engine(spec: EngineSpec, request: list[int]):
     import sglang as sgl
 
-    engine = sgl.Engine(**engine_kwargs(spec, disable_radix_cache=True, enable_return_hidden_states=True,
-                                        enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
-                                        return_aux_hidden_state_layer_ids=list(spec.layer_ids)))
+    return sgl.Engine(**engine_kwargs(spec, disable_radix_cache=True, enable_return_hidden_states=True,
+                                      enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
+                                      return_aux_hidden_state_layer_ids=request))
+
+
+def second_pass(spec: EngineSpec, request: list[int], seqs: list[list[int]]) -> tuple[list, list]:
+    """(aux, final) by two engine runs: the aux engine, then one in full mode for the final
+    state (the fallback when the last layer cannot run alone; module doc)."""
+    import sglang as sgl
+
+    engine = _aux_engine(spec, request)
     try:
         aux = _prefill_states(engine, seqs)
     finally:
@@ -157,14 +289,48 @@ def capture(spec: EngineSpec, seqs: list[list[int]]) -> tuple[list, list]:
 
 
 def main(argv=None) -> None:
-    """python -m workflows.core.sglang <spec.json> <seqs.json> <out.npz>: both passes, saved
-    as aux_<k>/final_<k> float32 arrays (SGLangEngine.states runs this in a child)."""
+    """python -m workflows.core.sglang <job.json> <request fd> <reply fd>: the capture worker.
+    It answers one JSON line per request ({"seqs": file, "out": file}) with {"ok": true} once
+    `out` holds aux_<k> (and final_<k> in second-pass mode) float32 arrays, or {"error": ...};
+    at EOF on its request pipe (its parent closed it or died) it shuts the engine down."""
+    import traceback
+
     import numpy as np
 
-    spec_file, seqs_file, out = sys.argv[1:] if argv is None else argv
-    spec = EngineSpec(**json.loads(Path(spec_file).read_text()))
-    aux, final = capture(spec, json.loads(Path(seqs_file).read_text()))
-    np.savez(out, **{f"aux_{k}": a for k, a in enumerate(aux)}, **{f"final_{k}": f for k, f in enumerate(final)})
+    job_file, req_fd, reply_fd = sys.argv[1:] if argv is None else argv
+    job = json.loads(Path(job_file).read_text())
+    spec, method, request = EngineSpec(**job["spec"]), job["method"], job["request"]
+    requests, replies = os.fdopen(int(req_fd), "r"), os.fdopen(int(reply_fd), "w")
+
+    def reply(message: dict) -> None:
+        replies.write(json.dumps(message) + "\n")
+        replies.flush()
+
+    engine = _aux_engine(spec, request) if method == "tail" else None  # one pass, one engine for the stage
+    reply({"ready": True})
+    try:
+        for line in requests:
+            job = json.loads(line)
+            try:
+                seqs = json.loads(Path(job["seqs"]).read_text())
+                if job.get("bare"):  # the benchmark's baseline: the same prefill, no state returned
+                    (engine or _aux_engine(spec, request)).generate(
+                        input_ids=seqs, sampling_params={"max_new_tokens": 1, "temperature": 0})
+                    reply({"ok": True})
+                    continue
+                if engine is not None:
+                    arrays = {f"aux_{k}": a for k, a in enumerate(_prefill_states(engine, seqs))}
+                else:
+                    aux, final = second_pass(spec, request, seqs)
+                    arrays = {**{f"aux_{k}": a for k, a in enumerate(aux)},
+                              **{f"final_{k}": f for k, f in enumerate(final)}}
+                np.savez(job["out"], **arrays)
+                reply({"ok": True})
+            except Exception:
+                reply({"error": traceback.format_exc()[-3000:]})
+    finally:
+        if engine is not None:
+            engine.shutdown()
 
 
 if __name__ == "__main__":

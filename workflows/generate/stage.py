@@ -95,11 +95,10 @@ def commit_shard(layout: RunLayout, index: int, rows: list[dict]) -> dict:
 
 
 def engine_device(cfg: FullConfig) -> str:
-    """SGLang on the GPUs of the machine when there are some (it sizes its own KV pool
-    there); HF generate on the CPU."""
-    import torch
-
-    return "cuda" if cfg.data.backend == "sglang" and torch.cuda.is_available() else "cpu"
+    """Where each engine actor computes: the GPUs Ray gives it (data.gpus_per_engine), else
+    the CPU. Decided by the config, not by this driver's machine: on a cluster the driver
+    may have no GPU while the actors do."""
+    return "cuda" if cfg.data.gpus_per_engine > 0 else "cpu"
 
 
 def engine_count(cfg: FullConfig, pending_shards: int) -> int:
@@ -130,7 +129,7 @@ def regenerate_shards(cfg: FullConfig, target_path: Path, plans: list[dict], lay
             "target_path": str(target_path), "settings": settings, "prompts_file": str(layout.prompts_file),
             "shards_folder": str(layout.corpus_shards), "batch_size": cfg.data.batch_size},
         batch_size=1, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=engines),
-        num_cpus=1 if cfg.data.backend == "hf" else 0.5)
+        num_cpus=1 if cfg.data.backend == "hf" else 0.5, num_gpus=cfg.data.gpus_per_engine or None)
     # Ray metrics: conversations done (of those pending), answer tokens generated and per second.
     conversations = StageMetrics("generate", "conversations", total=sum(p["stop"] - p["start"] for p in plans))
     answers = StageMetrics("generate", "answer_tokens")
