@@ -5,6 +5,7 @@ corpus, plans with every token) measured on the same corpora."""
 from __future__ import annotations
 
 import random
+import time
 import tracemalloc
 
 import pytest
@@ -71,12 +72,17 @@ def test_capture_dispatch_memory_does_not_grow_with_the_corpus(tiny_target, tmp_
     import pyarrow.parquet as pq
 
     sizes = (400, 4000)  # conversations: 51k and 512k tokens
-    new, old = {}, {}
+    new, old, seconds = {}, {}, {}
     for n in sizes:
         layout = synthetic_corpus(tiny_target, tmp_path / f"n{n}", n)
         out = layout.stage_dir("capture")
         out.mkdir(parents=True)
         new[n], (plans, corpus_sha, todo) = peak_bytes(lambda: dispatch(layout, out))
+        timed = out.parent / "timed"
+        timed.mkdir()
+        t0 = time.perf_counter()  # again without tracemalloc, which slows allocation-heavy code
+        dispatch(layout, timed)
+        seconds[n] = time.perf_counter() - t0
         old[n], _ = peak_bytes(lambda: old_dispatch(layout))
         # The plan is right: every sample once, split by split, and an actor reads it back.
         table = pq.read_table(todo)
@@ -93,7 +99,11 @@ def test_capture_dispatch_memory_does_not_grow_with_the_corpus(tiny_target, tmp_
         same, _, same_sha = capture.plan_shards(layout.read_corpus(), SHARD_SAMPLES)
         assert same_sha == corpus_sha and [p.name for p in same] == [name for name, _ in plans]
     small, large = sizes
-    print(f"driver peak: new {new[small]} -> {new[large]} B, old {old[small]} -> {old[large]} B")
+    print(f"driver peak: new {new[small]} -> {new[large]} B, old {old[small]} -> {old[large]} B; "
+          f"dispatch {seconds[small]:.3f} -> {seconds[large]:.3f} s")
+    # Per-token driver time does not grow with the corpus (a quadratic step, such as a
+    # manifest rewritten per shard, would make this ratio ~10).
+    assert (seconds[large] / large) / (seconds[small] / small) < 2.0
     # The old way holds the corpus: ~10x for 10x the tokens (the measurement sees it) ...
     assert old[large] / old[small] > 7
     # ... the new one holds one generate file plus a few names per shard: nearly flat, and
