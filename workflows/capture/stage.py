@@ -196,6 +196,10 @@ class CaptureActor:
                                  retries=1, load=self.corpus.load)
         for r in rows:
             r["actor"] = self.name
+            # How this actor's engine works, for the summary: engines started (SGLang: one per
+            # actor for the stage) and where the final state came from.
+            r["engine_starts"] = int(getattr(self.engine, "engine_starts", 1))
+            r["final_state"] = getattr(self.engine, "final_method", None) or "forward"
             if self.metrics and not r["error"]:
                 tags = {"actor": self.name}
                 self.metrics["tokens"].inc(r["n_tokens"], tags=tags)
@@ -297,6 +301,8 @@ class Results:
         a["bytes"] += int(row["nbytes"])
         a["compute_s"] += float(row["compute_seconds"])
         a["write_s"] += float(row["write_seconds"])
+        a["engine_starts"] = max(a.get("engine_starts", 0), int(row.get("engine_starts", 1)))
+        a["final_state"] = row.get("final_state", "forward")
 
     def per_actor_summary(self) -> dict[str, dict]:
         return {name: {**a, "tokens_per_s": round(a["tokens"] / max(a["compute_s"], 1e-9), 1)}
@@ -382,7 +388,9 @@ def _capture_with_ray(cfg: FullConfig, target_path, store: HiddenStateStore, tod
               "micro_batch_tokens": c.micro_batch_tokens, "trust_remote_code": cfg.target.trust_remote_code,
               "threads": max(1, int(c.cpus_per_actor)), "device": "cuda" if c.gpus_per_actor else "cpu",
               "tp_size": cfg.target.tp_size if c.backend == "sglang" else 1, "seed": cfg.seed,
-              "final_state": c.final_state}
+              "final_state": c.final_state,
+              # SGLang sizes its own KV pool on GPUs (the 4096-token CPU default would refuse long samples).
+              "max_total_tokens": None if c.gpus_per_actor else 4096}
     with warnings.catch_warnings():
         # Ray 2.60 has named parameters for resources but none yet for actor restarts: bounded
         # restarts still go through **ray_remote_args, whose deprecation warning says only that.

@@ -65,6 +65,13 @@ class FinalLayerTail:
         if getattr(config, "quantization_config", None) or getattr(config.get_text_config(), "quantization_config",
                                                                     None):
             raise TailUnavailable(f"{folder}: a quantized checkpoint (its layers need the quantizer's loader)")
+        text = config.get_text_config()
+        window = getattr(text, "sliding_window", None) if getattr(text, "use_sliding_window", True) else None
+        layer_types = getattr(text, "layer_types", None) or []
+        if window or (layer_types and layer_types[-1] != "full_attention") \
+                or getattr(text, "attn_logit_softcapping", None):
+            raise TailUnavailable(f"{folder}: the last layer's attention is not plain causal (sliding window or "
+                                  "logit softcapping), which the tail computes")
         self.device, self.dtype = torch.device(device), dtype
         try:
             with torch.device("meta"):  # the architecture without memory; two modules get real weights
@@ -85,6 +92,9 @@ class FinalLayerTail:
             # The rotary table is computed, not stored: build it again on the real device.
             with self.device:
                 self.rotary = type(decoder.rotary_emb)(config=decoder.config)
+            if any(n.endswith("sinks") for n in wanted):
+                raise TailUnavailable(f"{folder}: the last layer has attention sinks, which the tail does not apply")
+            self.batch([torch.zeros(2, text.hidden_size)])  # fails here, not on the first capture
         except TailUnavailable:
             raise
         except Exception as exc:  # an architecture whose layer does not run alone like Llama's

@@ -151,34 +151,57 @@ class SGLangEngine:
         self._tmp = tempfile.TemporaryDirectory(prefix="sglang_capture_")
         spec_file = Path(self._tmp.name) / "spec.json"
         spec_file.write_text(json.dumps({"spec": vars(self.spec), "method": method, "request": request}))
-        req_r, self._req_w = os.pipe()
-        self._resp_r, resp_w = os.pipe()
+        self._stderr = open(Path(self._tmp.name) / "stderr.log", "w+", errors="replace")
+        req_r, req_w = os.pipe()
+        resp_r, resp_w = os.pipe()
         env = with_shim(dict(os.environ)) if self.spec.device == "cpu" else dict(os.environ)
-        self._stderr = open(Path(self._tmp.name) / "stderr.log", "w+")
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "workflows.core.sglang", str(spec_file), str(req_r), str(resp_w)],
-            env=env, cwd=ROOT, pass_fds=(req_r, resp_w), stdout=self._stderr, stderr=self._stderr)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "workflows.core.sglang", str(spec_file), str(req_r), str(resp_w)],
+                env=env, cwd=ROOT, pass_fds=(req_r, resp_w), stdout=self._stderr, stderr=self._stderr)
+        except BaseException:
+            for fd in (req_r, req_w, resp_r, resp_w):
+                os.close(fd)
+            self._stderr.close()
+            self._tmp.cleanup()
+            raise
         os.close(req_r)
         os.close(resp_w)
+        self._req_w, self._resp_r, self._buf, self._calls = req_w, resp_r, b"", 0
         self.engine_starts += 1
-        self._reply(self.timeout_s, "start")
+        self._call({}, "start")
 
-    def _reply(self, timeout_s: float, what: str) -> dict:
-        """The worker's next reply line; its death or silence is an error with its log's tail."""
+    def _call(self, message: dict, what: str) -> dict:
+        """Send one request (numbered) and wait for its reply. A worker that died, went
+        silent or answered with an error raises RuntimeError with its log's tail; a reply to
+        an earlier, abandoned request is skipped, never taken for this one's."""
         import select
 
-        line = b""
-        while not line.endswith(b"\n"):
-            ready, _, _ = select.select([self._resp_r], [], [], timeout_s)
-            chunk = os.read(self._resp_r, 1 << 16) if ready else b""
-            if not chunk:
-                self._stderr.seek(0)
-                tail = self._stderr.read()[-3000:]
-                self.close()
-                cause = "did not answer in time" if not ready else f"exited (rc {self._proc_rc})"
-                raise RuntimeError(f"SGLang capture worker {cause} during {what}: {tail}")
-            line += chunk
-        reply = json.loads(line)
+        self._calls += 1
+        n = self._calls
+        try:
+            if message:
+                os.write(self._req_w, (json.dumps({**message, "n": n}) + "\n").encode())
+            poller = select.poll()
+            poller.register(self._resp_r, select.POLLIN)
+            while True:
+                while b"\n" not in self._buf:
+                    if not poller.poll(self.timeout_s * 1000):
+                        raise TimeoutError(f"did not answer within {self.timeout_s:g} s")
+                    chunk = os.read(self._resp_r, 1 << 16)
+                    if not chunk:
+                        raise EOFError("exited")
+                    self._buf += chunk
+                line, self._buf = self._buf.split(b"\n", 1)
+                reply = json.loads(line)
+                if reply.get("n", n) == n or not message:
+                    break
+        except (OSError, TimeoutError, EOFError) as exc:  # BrokenPipeError: it died before reading
+            rc = self._proc.poll()
+            self._stderr.seek(0)
+            tail = self._stderr.read()[-3000:]
+            self.close()
+            raise RuntimeError(f"SGLang capture worker failed during {what} ({exc}; rc {rc}): {tail}") from None
         if "error" in reply:
             raise RuntimeError(f"SGLang capture failed: {reply['error']}")
         return reply
@@ -189,14 +212,15 @@ class SGLangEngine:
 
         if self._proc is None:
             self._start_capture_worker()
-        seqs_file, out = Path(self._tmp.name) / "seqs.json", Path(self._tmp.name) / "out.npz"
+        k = self._calls + 1  # the files of this request (an abandoned one never shares them)
+        seqs_file, out = Path(self._tmp.name) / f"seqs-{k}.json", Path(self._tmp.name) / f"out-{k}.npz"
         seqs_file.write_text(json.dumps([list(map(int, s)) for s in seqs]))
-        os.write(self._req_w, (json.dumps({"seqs": str(seqs_file), "out": str(out)}) + "\n").encode())
-        self._reply(self.timeout_s, "capture")
+        self._call({"seqs": str(seqs_file), "out": str(out)}, "capture")
         with np.load(out) as data:
             arrays = [(data[f"aux_{k}"], data[f"final_{k}"] if f"final_{k}" in data else None)
                       for k in range(len(seqs))]
         out.unlink()
+        seqs_file.unlink()
         H = arrays[0][0].shape[1] // len(self._slots)
         blocks = [torch.from_numpy(aux).split(H, dim=1) for aux, _ in arrays]
         if self.final_method == "tail":
@@ -215,30 +239,29 @@ class SGLangEngine:
         returned (the capture benchmark's baseline)."""
         if self._proc is None:
             self._start_capture_worker()
-        seqs_file = Path(self._tmp.name) / "seqs.json"
+        seqs_file = Path(self._tmp.name) / f"seqs-{self._calls + 1}.json"
         seqs_file.write_text(json.dumps([list(map(int, s)) for s in seqs]))
-        os.write(self._req_w, (json.dumps({"seqs": str(seqs_file), "bare": True}) + "\n").encode())
-        self._reply(self.timeout_s, "bare forward")
-
-    @property
-    def _proc_rc(self):
-        return None if self._proc is None else self._proc.poll()
+        self._call({"seqs": str(seqs_file), "bare": True}, "bare forward")
+        seqs_file.unlink()
 
     def close(self) -> None:
-        if self._engine is not None:
-            self._engine.shutdown()
-            self._engine = None
-        if self._proc is not None:
-            os.close(self._req_w)  # EOF: the worker shuts its engine down and exits
-            try:
-                self._proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        """Shut the engines down; safe to call again, and after a failed start."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        os.close(self._req_w)  # EOF: the worker shuts its engine down and exits
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        finally:
             os.close(self._resp_r)
             self._stderr.close()
             self._tmp.cleanup()
-            self._proc = None
 
     def __del__(self):
         try:
@@ -290,9 +313,11 @@ def second_pass(spec: EngineSpec, request: list[int], seqs: list[list[int]]) -> 
 
 def main(argv=None) -> None:
     """python -m workflows.core.sglang <job.json> <request fd> <reply fd>: the capture worker.
-    It answers one JSON line per request ({"seqs": file, "out": file}) with {"ok": true} once
-    `out` holds aux_<k> (and final_<k> in second-pass mode) float32 arrays, or {"error": ...};
+    It answers one JSON line per request ({"seqs": file, "out": file, "n": k}) with {"ok": true,
+    "n": k} once `out` holds aux_<k> (and final_<k> in second-pass mode) float32 arrays, or {"error": ...};
     at EOF on its request pipe (its parent closed it or died) it shuts the engine down."""
+    import threading
+    import time
     import traceback
 
     import numpy as np
@@ -306,28 +331,43 @@ def main(argv=None) -> None:
         replies.write(json.dumps(message) + "\n")
         replies.flush()
 
-    engine = _aux_engine(spec, request) if method == "tail" else None  # one pass, one engine for the stage
-    reply({"ready": True})
+    # The actor may die mid-request (OOM, preemption): then no EOF comes until the request
+    # ends, and the engine would hold the actor's GPUs meanwhile. Exit as soon as the parent
+    # is gone; SGLang's own processes die with this one (they are started with PDEATHSIG).
+    parent = os.getppid()
+
+    def watch_parent() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    engine = None
     try:
+        engine = _aux_engine(spec, request) if method == "tail" else None  # one pass, one engine for the stage
+        reply({"ready": True})
         for line in requests:
             job = json.loads(line)
             try:
                 seqs = json.loads(Path(job["seqs"]).read_text())
                 if job.get("bare"):  # the benchmark's baseline: the same prefill, no state returned
-                    (engine or _aux_engine(spec, request)).generate(
-                        input_ids=seqs, sampling_params={"max_new_tokens": 1, "temperature": 0})
-                    reply({"ok": True})
-                    continue
-                if engine is not None:
-                    arrays = {f"aux_{k}": a for k, a in enumerate(_prefill_states(engine, seqs))}
+                    bare = engine or _aux_engine(spec, request)
+                    try:
+                        bare.generate(input_ids=seqs, sampling_params={"max_new_tokens": 1, "temperature": 0})
+                    finally:
+                        if bare is not engine:
+                            bare.shutdown()
+                elif engine is not None:
+                    np.savez(job["out"], **{f"aux_{k}": a for k, a in enumerate(_prefill_states(engine, seqs))})
                 else:
                     aux, final = second_pass(spec, request, seqs)
-                    arrays = {**{f"aux_{k}": a for k, a in enumerate(aux)},
-                              **{f"final_{k}": f for k, f in enumerate(final)}}
-                np.savez(job["out"], **arrays)
-                reply({"ok": True})
+                    np.savez(job["out"], **{f"aux_{k}": a for k, a in enumerate(aux)},
+                             **{f"final_{k}": f for k, f in enumerate(final)})
+                reply({"ok": True, "n": job["n"]})
             except Exception:
-                reply({"error": traceback.format_exc()[-3000:]})
+                reply({"error": traceback.format_exc()[-3000:], "n": job.get("n")})
+    except Exception:
+        reply({"error": traceback.format_exc()[-3000:]})  # e.g. the engine failed to start
     finally:
         if engine is not None:
             engine.shutdown()

@@ -101,6 +101,12 @@ def engine_device(cfg: FullConfig) -> str:
     return "cuda" if cfg.data.gpus_per_engine > 0 else "cpu"
 
 
+def _driver_has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def engine_count(cfg: FullConfig, pending_shards: int) -> int:
     """Engines to start: data.num_engines, but never more than the shards to do (an engine
     without a shard would only load the target)."""
@@ -118,6 +124,9 @@ def regenerate_shards(cfg: FullConfig, target_path: Path, plans: list[dict], lay
     engines = engine_count(cfg, len(plans))
     threads = cfg.data.threads_per_engine or max(1, (os.cpu_count() or 1) // engines)
     device = engine_device(cfg)
+    if device == "cpu" and cfg.data.backend == "sglang" and _driver_has_gpu():
+        log("generate: WARNING: data.backend=sglang runs on the CPU (data.gpus_per_engine=0) although this machine "
+            f"has GPUs; set data.gpus_per_engine={cfg.target.tp_size} to use them")
     settings = dict(max_new_tokens=cfg.data.max_new_tokens, temperature=cfg.data.temperature, top_p=cfg.data.top_p,
                     reasoning=cfg.data.reasoning, keep_reasoning=cfg.data.keep_reasoning,
                     max_length=cfg.data.max_length, overlong=cfg.data.overlong, backend=cfg.data.backend,
