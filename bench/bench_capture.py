@@ -1,12 +1,15 @@
 """Capture throughput vs the same engine's bare forward on the same batches, in one run.
 
-    python -m bench.bench_capture [--backend hf|sglang] [--target PATH] [--samples 64] [--length 256]
+    python -m bench.bench_capture [--backend hf|sglang] [--final-state auto|runner|tail] [--target PATH]
+        [--samples 64] [--length 256]
 
 HF: the bare forward is the target's plain `model(...)` over the capture engine's own
 micro-batches. SGLang: the same sequences as a plain prefill through the capture worker's
-own engine (no state returned), against the capture (states returned, the final state from
-the last layer's tail, written to the store). The capture adds the hooks, `output_hidden_states`, bf16 conversion and the
-Zarr writes, which `capture_and_write` overlaps with the next shard's compute. Prints both
+own engine (no state returned), against the capture (states returned and written to the
+store); `--final-state` picks how the capture worker gets them (`runner`, the default:
+SGLang's model runner, for both the bare prefill and the capture; `tail`: SGLang's Engine).
+The capture adds the state capture, the bf16 conversion and the Zarr writes, which
+`capture_and_write` overlaps with the next shard's compute. Prints both
 tokens/s and the ratio capture/bare (aim >= 0.90). Default target: the `tiny` preset
 (prepared into .cache on first use); pass --target for a bigger checkpoint.
 """
@@ -32,6 +35,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--backend", choices=["hf", "sglang"], default="hf")
+    ap.add_argument("--final-state", choices=["auto", "runner", "tail"], default="auto", help="sglang only")
     args = ap.parse_args()
 
     from storage.store import HiddenStateStore
@@ -44,7 +48,8 @@ def main() -> None:
     n_layers, hidden = text["num_hidden_layers"], text["hidden_size"]
     ids = args.layer_ids or [1, n_layers // 2 - 1, n_layers - 4] if n_layers >= 8 else args.layer_ids or [0, 2, 4]
     engine = make_engine(args.backend, EngineSpec(str(target), dtype=args.dtype, layer_ids=ids,
-                                                  micro_batch_tokens=args.micro_batch_tokens))
+                                                  micro_batch_tokens=args.micro_batch_tokens,
+                                                  final_state=args.final_state))
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, text["vocab_size"], (args.length - (i % 7) * 3,), generator=g).tolist()
             for i in range(args.samples)]
@@ -71,7 +76,8 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     bare, cap = tokens / min(bare_s), tokens / min(cap_s)
     engine.close()
-    print({"backend": args.backend, "target": str(target), "layers": n_layers, "hidden": hidden, "tokens": tokens,
+    print({"backend": args.backend, "final_state": getattr(engine, "final_method", None), "target": str(target),
+           "layers": n_layers, "hidden": hidden, "tokens": tokens,
            "bare_forward_tok_per_s": round(bare), "capture_tok_per_s": round(cap), "ratio": round(cap / bare, 3),
            "threads": torch.get_num_threads()})
 

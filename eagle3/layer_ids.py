@@ -113,17 +113,18 @@ def sglang_default_layer_inputs(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
-def sglang_capture_plan(ids: Sequence[int], num_layers: int, model_type: str) -> tuple[list[int], dict[int, int]]:
+def sglang_capture_plan(ids: Sequence[int], num_layers: int, model_type: str,
+                        last_input: bool = True) -> tuple[list[int], dict[int, int]]:
     """What to ask an SGLang 0.5.23 engine for (`return_aux_hidden_state_layer_ids`) so that
-    it captures the outputs of `ids` *and* of layer N-2, the last layer's input (from which
-    the caller computes the last layer and the final norm: one pass gives every state).
+    it captures the outputs of `ids` and, with `last_input`, of layer N-2, the last layer's
+    input (from which the caller computes the last layer and the final norm).
 
     Returns (request, slot): the request list, and for each id whose state the engine
     returns, its block in the packed aux tensor. SGLang captures in layer order, one block
     per distinct layer. Id N-1 (the last layer's output) is never captured by SGLang; it has
     no slot and comes from the tail. Refuses, naming the id, what this engine cannot return.
     """
-    wanted = sorted({int(i) for i in ids if int(i) != num_layers - 1} | {num_layers - 2})
+    wanted = sorted({int(i) for i in ids if int(i) != num_layers - 1} | ({num_layers - 2} if last_input else set()))
     inputs = to_sglang_layer_inputs(wanted)  # the layers whose input holds each wanted state
     if model_type in SGLANG_PLUS_ONE_IF_FIRST_IS_ONE:
         # This family takes the list as layer inputs unless it starts with 1 (then it adds 1).

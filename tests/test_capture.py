@@ -289,8 +289,8 @@ def test_estimate_projects_wall_time_shards_manifest_and_driver_memory(tiny_targ
 def test_the_capture_stage_on_sglang_uses_one_engine_per_actor_and_one_forward(tiny_target, corpus, tmp_path,
                                                                                ray_local):
     """capture.backend=sglang through the Ray stage: one engine for the actor's calls, every
-    state from one forward (ids 1 and 3 from SGLang, 5 = the last layer's output and the final
-    state from the tail), stored states equal to HF's."""
+    state from one forward (ids 1 and 3 and the final state from SGLang's runner, 5 = the last
+    layer's output from the tail), stored states equal to HF's."""
     pytest.importorskip("sglang")
     from workflows.core.engines import EngineSpec, make_engine
 
@@ -301,7 +301,7 @@ def test_the_capture_stage_on_sglang_uses_one_engine_per_actor_and_one_forward(t
     (actor,) = summary["per_actor"].values()
     n_shards = len(capture.plan_shards(corpus_rows(run_dir), 3)[0])
     assert summary["verify_ok"] and actor["shards"] == n_shards > 2 * cfg.capture.shards_per_call  # several calls
-    assert (actor["engine_starts"], actor["final_state"]) == (1, "tail")
+    assert (actor["engine_starts"], actor["final_state"]) == (1, "runner")
     reader = StoreReader(str(run_dir / "store"))
     hf = make_engine("hf", EngineSpec(str(tiny_target), layer_ids=[1, 3, 5]))
     for sample_id in reader.sample_ids[:4]:
@@ -313,24 +313,48 @@ def test_the_capture_stage_on_sglang_uses_one_engine_per_actor_and_one_forward(t
 
 @pytest.mark.slow
 @pytest.mark.sglang
-def test_sglang_second_pass_fallback_gives_hfs_states(tiny_target):
-    """The fallback where the last layer cannot run alone: SGLang's own final state from a
-    second engine run per call (fp32 on CPU, against HF hooks)."""
+@pytest.mark.parametrize("method,dtype", [("runner", "float32"), ("runner", "bfloat16"), ("tail", "float32")])
+def test_sglang_states_equal_hfs_by_either_final_state_method(tiny_target, method, dtype):
+    """Both ways of getting the final state from SGLang give HF's states: SGLang's model runner
+    (aux and final as tensors from one forward; bf16 crosses as bf16) and the Engine's aux
+    states plus the last layer's tail. fp32 on CPU is exact up to kernel order."""
     pytest.importorskip("sglang")
     from workflows.core.engines import EngineSpec, make_engine
 
     seqs = [[1, 5, 9, 33, 2, 7, 100, 4, 8, 8], [3, 4, 5, 6, 7]]
-    spec = EngineSpec(str(tiny_target), dtype="float32", layer_ids=[1, 3, 4], final_state="second_pass")
+    spec = EngineSpec(str(tiny_target), dtype=dtype, layer_ids=[1, 3, 4], final_state=method)
     engine = make_engine("sglang", spec)
     got = engine.states(seqs)
-    assert engine.final_method == "second_pass"
+    assert (engine.final_method, engine.engine_starts) == (method, 1)
+    tol = 1e-4 if dtype == "float32" else 2e-2
     for (sa, sf), (ha, hf_) in zip(got, make_engine("hf", spec).states(seqs)):
         assert sa.shape == ha.shape == (sa.shape[0], 3 * 64) and sf.shape == hf_.shape
-        torch.testing.assert_close(sa, ha.float(), atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(sf, hf_.float(), atol=1e-4, rtol=1e-4)
-    # Id 5 (the last layer's output) needs the tail: SGLang never returns it.
-    with pytest.raises(ConfigError, match=r"capture id 5 \(the last layer's output\) needs the final-state tail"):
-        make_engine("sglang", EngineSpec(**{**vars(spec), "layer_ids": [1, 3, 5]})).states(seqs)
+        assert sa.dtype == sf.dtype == (torch.bfloat16 if (method, dtype) == ("runner", "bfloat16") else torch.float32)
+        torch.testing.assert_close(sa.float(), ha.float(), atol=tol, rtol=tol)
+        if dtype == "float32":
+            torch.testing.assert_close(sf, hf_.float(), atol=5e-4, rtol=1e-4)
+        else:  # two bf16 stacks' rounding, six layers deep: close as a whole (1-2% here)
+            assert (sf.float() - hf_.float()).norm() / hf_.float().norm() < 0.03
+    engine.bare_forward(seqs)  # the benchmark's baseline on the same engine
+    assert engine.states(seqs[::-1])[0][0].shape == got[1][0].shape and engine.engine_starts == 1
     engine.close()
     engine.close()  # twice is harmless
+
+
+def test_sglang_refuses_the_last_layers_output_where_the_tail_cannot_run(tiny_target, tmp_path):
+    """SGLang never returns id N-1 (the last layer's output); only the tail gives it, and the
+    tail cannot run a quantized layer: refused before any engine starts, naming why."""
+    from workflows.core.engines import EngineSpec, make_engine
+
+    quantized = tmp_path / "q"
+    shutil.copytree(tiny_target, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "x"}}))
+    engine = make_engine("sglang", EngineSpec(str(quantized), layer_ids=[1, 3, 5]))
+    with pytest.raises(ConfigError, match=r"capture id 5 \(the last layer's output, which SGLang never returns\) "
+                                          "needs the last layer's tail: .*a quantized checkpoint"):
+        engine.states([[1, 2, 3]])
+    assert engine.engine_starts == 0
+    with pytest.raises(ConfigError, match="capture.final_state=tail: .*a quantized checkpoint"):
+        make_engine("sglang", EngineSpec(str(quantized), layer_ids=[1, 3, 4], final_state="tail")).states([[1, 2]])
     assert engine._proc is None  # the worker exited at EOF

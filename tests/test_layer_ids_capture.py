@@ -107,6 +107,11 @@ def test_sglang_capture_plan_asks_for_the_ids_and_the_last_layers_input(ids, mod
     assert (request, slot) == (request_, slots)
     # What SGLang then captures (its family rule) is exactly the slots' ids, in layer order.
     assert [i - 1 for i in sglang_layer_inputs(request, model_type)] == sorted(slot)
+    # Without the tail (SGLang's runner returns the final state itself), N-2 is asked for only
+    # when it is a capture id.
+    request, slot = sglang_capture_plan(ids, num_layers, model_type, last_input=False)
+    assert sorted(slot) == sorted(i for i in ids if i != num_layers - 1)
+    assert [i - 1 for i in sglang_layer_inputs(request, model_type)] == sorted(slot)
 
 
 def test_sglang_capture_plan_refuses_what_the_engine_cannot_return():

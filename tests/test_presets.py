@@ -65,5 +65,7 @@ def test_an_sglang_actor_holds_exactly_its_tp_group(override, field):
     with pytest.raises(ConfigError, match=rf"{field} but target.tp_size=8: an SGLang engine actor is one "
                                           "tensor-parallel group"):
         compose(["+experiment=kimi_k25", override])
+    with pytest.raises(ConfigError, match=r"capture.gpus_per_actor=0 \(SGLang on the CPU\) but target.tp_size=8"):
+        compose(["+experiment=kimi_k25", "capture.gpus_per_actor=0"])
     # The HF backend runs on one GPU of its actor, whatever the TP size of the preset.
     compose(["+experiment=kimi_k25", "capture.backend=hf", "capture.gpus_per_actor=1"])

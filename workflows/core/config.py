@@ -180,10 +180,11 @@ class CaptureSection:
     cpus_per_actor: float = 1.0
     gpus_per_actor: float = 0.0  # GPU presets: the target's tp_size (one actor per TP group)
     dtype: DTYPE = "auto"  # the engines' dtype
-    # SGLang: the final hidden state from the same forward as the aux states ("tail": the last
-    # layer and norm applied to its captured input, in the actor) or from a second engine run
-    # per call ("second_pass"); auto: tail unless the checkpoint's last layer cannot run alone.
-    final_state: Literal["auto", "tail", "second_pass"] = "auto"
+    # SGLang: how the final hidden state comes back with the aux states. "runner" (auto): SGLang's
+    # model runner, driven by the capture worker, returns both from one forward as tensors;
+    # "tail": the Engine's aux states plus the last layer and norm applied in the actor
+    # (workflows.core.sglang).
+    final_state: Literal["auto", "runner", "tail"] = "auto"
     chunk_mb: float = 1.0  # Zarr chunk size of the state arrays (one Zarr shard file per array)
     compression: str = "none"  # or zstd[:level] (~1.28x on bf16 states, much slower)
     estimate_only: bool = False  # print bytes/token and the projected size, capture nothing
@@ -319,6 +320,10 @@ class FullConfig:
             if backend == "sglang" and gpus and gpus != self.target.tp_size:
                 raise ConfigError(f"{field_}={gpus:g} but target.tp_size={self.target.tp_size}: an SGLang engine "
                                   "actor is one tensor-parallel group and holds exactly tp_size GPUs")
+            if backend == "sglang" and not gpus and self.target.tp_size > 1:
+                raise ConfigError(f"{field_}=0 (SGLang on the CPU) but target.tp_size={self.target.tp_size}: SGLang "
+                                  "0.5.23's CPU backend does not run tensor parallel here (its TP group builds a "
+                                  "NCCL communicator); give the actor tp_size GPUs or use target.tp_size=1")
         size = self.draft.draft_vocab_size
         if size is not None and size > self.target.vocab_size:
             raise ConfigError(f"draft.draft_vocab_size={size} exceeds the target's vocab_size={self.target.vocab_size}")

@@ -39,9 +39,8 @@ class EngineSpec:
     tp_size: int = 1  # sglang: tensor parallel ranks
     seed: int = 0
     max_total_tokens: int | None = 4096  # sglang: the KV pool (tokens); null: SGLang sizes it
-    # sglang states(): the final hidden state from the same forward ("tail": the last layer's
-    # input, then that layer and the norm here), from a second engine run ("second_pass"), or
-    # the tail where the checkpoint allows it ("auto"); see workflows.core.sglang.
+    # sglang states(): how the final hidden state comes back ("runner", what "auto" picks: SGLang's
+    # model runner returns it from the same forward; "tail"); workflows.core.sglang.
     final_state: str = "auto"
 
 

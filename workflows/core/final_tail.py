@@ -1,10 +1,11 @@
 """The target's last decoder layer and final norm, alone: the final hidden state from the
 last layer's input.
 
-SGLang 0.5.23 returns the captured aux states *instead of* the final hidden state, and it
-cannot capture the last layer's output at all (it captures layer inputs). So a capture that
-asks it for the ids *and* the input of the last layer (id N-2) gets everything in one
-forward; this module then computes
+Used by the SGLang engine for id N-1 and for `capture.final_state=tail` (the runner mode
+gets the final state from SGLang itself). SGLang 0.5.23's Engine returns the captured aux
+states *instead of* the final hidden state, and it cannot capture the last layer's output
+at all (it captures layer inputs). So a capture that asks it for the ids *and* the input
+of the last layer (id N-2) gets everything in one forward; this module then computes
 
     final = norm(layer_{N-1}(h_{N-2}))        (and id N-1 = layer_{N-1}(h_{N-2}), pre-norm)
 
@@ -14,7 +15,8 @@ is causal over the whole sequence, as in the target's prefill, with no KV cache;
 are right-padded into batches, which causal attention makes exact for the real rows.
 
 `TailUnavailable` says why a checkpoint cannot be handled this way (a quantized checkpoint,
-names the model's classes do not use); the SGLang engine then falls back to a second pass.
+names the model's classes do not use); the SGLang engine then refuses `final_state=tail`,
+and id N-1 (which only the tail gives), naming the reason.
 """
 from __future__ import annotations
 

@@ -9,17 +9,21 @@
 * `SGLangEngine` implements the engine interface of workflows.core.engines. Generation runs
   an in-process Engine, created on first use and kept for the engine's life.
 * Hidden states come from a capture worker: a child process (`python -m
-  workflows.core.sglang ...`, since the scheduler can SIGKILL its caller on an error) that
-  the engine starts on its first `states()` call and keeps for its life, i.e. one SGLang
-  engine per Ray actor for the whole stage, answering requests over a pipe. SGLang returns
-  the aux states (`enable_return_aux_hidden_states`) *instead of* the final hidden state and
-  cannot capture the last layer's output, so the worker also asks for id N-2, the last
-  layer's input (`eagle3.layer_ids.sglang_capture_plan`, which applies each family's id
-  rule), and the engine computes the last layer and the final norm from it in this process
-  (`workflows.core.final_tail`): one forward gives every state (`final_state=tail`). Where
-  that layer cannot run alone (a quantized checkpoint), `auto` falls back to a second
-  engine run in full mode per request (`second_pass`), and says so. Radix cache is off
-  (with it on, only the uncached suffix comes back).
+  workflows.core.sglang ...`: SGLang sets process-wide state, and its scheduler can SIGKILL
+  its caller on an error) that the engine starts on its first `states()` call and keeps for
+  its life, i.e. one SGLang engine per Ray actor for the whole stage, answering requests over
+  a pipe. The request list applies each family's id rule (`eagle3.layer_ids.
+  sglang_capture_plan`). How the final hidden state comes back (`capture.final_state`):
+  - `runner` (what `auto` picks): the worker drives SGLang's ModelRunner itself
+    (`workflows.core.sglang_runner`), which returns the aux and the final states of one
+    forward as tensors; the arrays come back as one file per call, bf16 kept as bf16.
+  - `tail`: the Engine's aux mode returns the aux states *instead of* the final one, so the
+    worker also asks for id N-2, the last layer's input, and this process computes the last
+    layer and the final norm (`workflows.core.final_tail`). The states travel as lists
+    through SGLang's processes (0.70-0.75 of a bare prefill on CPU), and the tail cannot
+    run a quantized layer: the public-API alternative to `runner`, not the default.
+  Radix cache is off (with it on, only the uncached suffix comes back). Id N-1 (the last
+  layer's output) is never returned by SGLang: it needs the tail.
 """
 from __future__ import annotations
 
@@ -67,9 +71,10 @@ def speculative_args(num_steps: int, topk: int, num_draft_tokens: int) -> list[s
             "--speculative-eagle-topk", str(topk), "--speculative-num-draft-tokens", str(num_draft_tokens)]
 
 
-FINAL_METHODS = {"tail": "from the same forward (the last layer's input, then that layer and the final norm "
-                         "in the actor)",
-                 "second_pass": "from a second engine run per call (full mode), after the aux run"}
+FINAL_METHODS = {"runner": "from the same forward (SGLang's model runner in the capture worker returns the aux "
+                           "and the final states as tensors)",
+                 "tail": "from the same forward (the last layer's input, then that layer and the final norm "
+                         "in the actor)"}
 
 
 def read_text_config(spec: EngineSpec) -> dict:
@@ -131,23 +136,22 @@ class SGLangEngine:
 
         text = read_text_config(self.spec)
         num_layers, model_type = int(text["num_hidden_layers"]), str(text.get("model_type", ""))
-        method, why = self.spec.final_state, ""
-        if method in ("auto", "tail"):
+        method = "runner" if self.spec.final_state == "auto" else self.spec.final_state
+        self._tail = None
+        if method == "tail" or (method == "runner" and num_layers - 1 in self.spec.layer_ids):
             try:
                 self._tail = FinalLayerTail(self.spec.target_path, torch_dtype(self.spec.dtype),
                                             "cuda" if self.spec.device == "cuda" else "cpu",
                                             self.spec.trust_remote_code)
-                method = "tail"
             except TailUnavailable as exc:
-                if method == "tail":
-                    raise ConfigError(f"capture.final_state=tail: {exc}") from None
-                method, why = "second_pass", f" ({exc})"
-        request, self._slots = sglang_capture_plan(self.spec.layer_ids, num_layers, model_type)
-        if method == "second_pass" and num_layers - 1 in self.spec.layer_ids:
-            raise ConfigError(f"capture id {num_layers - 1} (the last layer's output) needs the final-state tail, "
-                              f"which this target cannot use{why}: SGLang itself never returns that state")
+                what = "capture.final_state=tail" if method == "tail" else (
+                    f"capture id {num_layers - 1} (the last layer's output, which SGLang never returns) needs "
+                    "the last layer's tail")
+                raise ConfigError(f"{what}: {exc}") from None
+        request, self._slots = sglang_capture_plan(self.spec.layer_ids, num_layers, model_type,
+                                                   last_input=self._tail is not None)
         self._num_layers, self.final_method = num_layers, method
-        print(f"capture: SGLang engine for the stage; final state {FINAL_METHODS[method]}{why}", flush=True)
+        print(f"capture: SGLang engine for the stage; final state {FINAL_METHODS[method]}", flush=True)
         self._tmp = tempfile.TemporaryDirectory(prefix="sglang_capture_")
         spec_file = Path(self._tmp.name) / "spec.json"
         spec_file.write_text(json.dumps({"spec": vars(self.spec), "method": method, "request": request}))
@@ -217,17 +221,24 @@ class SGLangEngine:
         seqs_file.write_text(json.dumps([list(map(int, s)) for s in seqs]))
         self._call({"seqs": str(seqs_file), "out": str(out)}, "capture")
         with np.load(out) as data:
-            arrays = [(data[f"aux_{k}"], data[f"final_{k}"] if f"final_{k}" in data else None)
-                      for k in range(len(seqs))]
+            if self.final_method == "runner":  # one array each for the whole call; bf16 travels as int16
+                aux, final = (torch.from_numpy(data[key]) for key in ("aux", "final"))
+                if str(data["dtype"]) == "bfloat16":
+                    aux, final = aux.view(torch.bfloat16), final.view(torch.bfloat16)
+                lens = [len(s) for s in seqs]
+                arrays = list(zip(aux.split(lens), final.split(lens)))
+            else:
+                arrays = [(torch.from_numpy(data[f"aux_{k}"]), None) for k in range(len(seqs))]
         out.unlink()
         seqs_file.unlink()
         H = arrays[0][0].shape[1] // len(self._slots)
-        blocks = [torch.from_numpy(aux).split(H, dim=1) for aux, _ in arrays]
-        if self.final_method == "tail":
-            last_outs, finals = self._tail.batch([b[self._slots[self._num_layers - 2]] for b in blocks],
-                                                 self.spec.micro_batch_tokens)
-        else:
-            last_outs, finals = [None] * len(arrays), [torch.from_numpy(final) for _, final in arrays]
+        blocks = [aux.split(H, dim=1) for aux, _ in arrays]
+        last_outs, finals = [None] * len(arrays), [final for _, final in arrays]
+        if self._tail is not None:
+            last_outs, tail_finals = self._tail.batch([b[self._slots[self._num_layers - 2]] for b in blocks],
+                                                      self.spec.micro_batch_tokens)
+            if self.final_method == "tail":
+                finals = tail_finals
         results = []
         for b, last_out, final in zip(blocks, last_outs, finals):
             picked = [last_out if i == self._num_layers - 1 else b[self._slots[i]] for i in self.spec.layer_ids]
@@ -270,6 +281,23 @@ class SGLangEngine:
             pass
 
 
+def exit_with_parent() -> None:
+    """Exit this process as soon as the one that started it is gone. The actor may die
+    mid-request (OOM, preemption, SIGKILL): then no EOF comes until the request ends, and the
+    engine would hold the actor's GPUs for the actor Ray restarts."""
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def _prefill_states(engine, seqs: list[list[int]]) -> list:
     import numpy as np
 
@@ -293,31 +321,12 @@ def _aux_engine(spec: EngineSpec, request: list[int]):
                                       return_aux_hidden_state_layer_ids=request))
 
 
-def second_pass(spec: EngineSpec, request: list[int], seqs: list[list[int]]) -> tuple[list, list]:
-    """(aux, final) by two engine runs: the aux engine, then one in full mode for the final
-    state (the fallback when the last layer cannot run alone; module doc)."""
-    import sglang as sgl
-
-    engine = _aux_engine(spec, request)
-    try:
-        aux = _prefill_states(engine, seqs)
-    finally:
-        engine.shutdown()
-    engine = sgl.Engine(**engine_kwargs(spec, disable_radix_cache=True, enable_return_hidden_states=True))
-    try:
-        final = _prefill_states(engine, seqs)
-    finally:
-        engine.shutdown()
-    return aux, final
-
-
 def main(argv=None) -> None:
     """python -m workflows.core.sglang <job.json> <request fd> <reply fd>: the capture worker.
     It answers one JSON line per request ({"seqs": file, "out": file, "n": k}) with {"ok": true,
-    "n": k} once `out` holds aux_<k> (and final_<k> in second-pass mode) float32 arrays, or {"error": ...};
+    "n": k} once `out` holds the states (runner: `aux`, `final` for the whole call and their
+    `dtype`; tail: aux_<k> per sequence, float32), or {"error": ...};
     at EOF on its request pipe (its parent closed it or died) it shuts the engine down."""
-    import threading
-    import time
     import traceback
 
     import numpy as np
@@ -331,38 +340,29 @@ def main(argv=None) -> None:
         replies.write(json.dumps(message) + "\n")
         replies.flush()
 
-    # The actor may die mid-request (OOM, preemption): then no EOF comes until the request
-    # ends, and the engine would hold the actor's GPUs meanwhile. Exit as soon as the parent
-    # is gone; SGLang's own processes die with this one (they are started with PDEATHSIG).
-    parent = os.getppid()
-
-    def watch_parent() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch_parent, daemon=True).start()
-    engine = None
+    exit_with_parent()  # SGLang's own processes and the runner's TP ranks die with this one
+    engine = runner = None
+    followers = []
     try:
-        engine = _aux_engine(spec, request) if method == "tail" else None  # one pass, one engine for the stage
+        if method == "runner":  # one runner (and its TP ranks) for the stage
+            from workflows.core import sglang_runner
+
+            runner, followers = sglang_runner.start(spec, request)
+        else:  # tail: one engine for the stage
+            engine = _aux_engine(spec, request)
         reply({"ready": True})
         for line in requests:
             job = json.loads(line)
             try:
                 seqs = json.loads(Path(job["seqs"]).read_text())
-                if job.get("bare"):  # the benchmark's baseline: the same prefill, no state returned
-                    bare = engine or _aux_engine(spec, request)
-                    try:
-                        bare.generate(input_ids=seqs, sampling_params={"max_new_tokens": 1, "temperature": 0})
-                    finally:
-                        if bare is not engine:
-                            bare.shutdown()
-                elif engine is not None:
-                    np.savez(job["out"], **{f"aux_{k}": a for k, a in enumerate(_prefill_states(engine, seqs))})
+                if runner is not None:
+                    states = runner.forward(seqs, capture=not job.get("bare"))
+                    if states is not None:
+                        np.savez(job["out"], **_as_arrays(*states))
+                elif job.get("bare"):  # the benchmark's baseline: the same prefill, no state returned
+                    engine.generate(input_ids=seqs, sampling_params={"max_new_tokens": 1, "temperature": 0})
                 else:
-                    aux, final = second_pass(spec, request, seqs)
-                    np.savez(job["out"], **{f"aux_{k}": a for k, a in enumerate(aux)},
-                             **{f"final_{k}": f for k, f in enumerate(final)})
+                    np.savez(job["out"], **{f"aux_{k}": a for k, a in enumerate(_prefill_states(engine, seqs))})
                 reply({"ok": True, "n": job["n"]})
             except Exception:
                 reply({"error": traceback.format_exc()[-3000:], "n": job.get("n")})
@@ -371,6 +371,23 @@ def main(argv=None) -> None:
     finally:
         if engine is not None:
             engine.shutdown()
+        if runner is not None:
+            runner.close()
+        for process in followers:
+            process.join(timeout=60)
+
+
+def _as_arrays(aux, final) -> dict:
+    """The runner's tensors as numpy arrays for the reply file; bf16 (which numpy lacks) as
+    its raw int16 bits, so a bf16 engine's states cross at half the bytes of float32."""
+    import torch
+
+    dtype = "bfloat16" if aux.dtype == torch.bfloat16 else "float32"
+    if dtype == "bfloat16":
+        aux, final = aux.view(torch.int16), final.to(torch.bfloat16).view(torch.int16)
+    else:
+        aux, final = aux.float(), final.float()
+    return {"aux": aux.cpu().numpy(), "final": final.cpu().numpy(), "dtype": dtype}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,139 @@
+"""SGLang's model runner driven directly: the aux and the final states of one forward.
+
+Why not the Engine: asked for hidden states, `sgl.Engine` sends them from its scheduler
+through the detokenizer and tokenizer processes as Python lists (a capture then runs at
+0.70-0.75 of a bare prefill on CPU, measured), and in aux mode it returns the aux states
+*instead of* the final one. SGLang's `ModelRunner`, driven the way SGLang's own
+`sglang.benchmark.one_batch` drives it (load, build an extend batch, forward), hands both
+back as tensors: with `enable_return_aux_hidden_states` its logits processor keeps the final,
+normed states (`last_hidden_states`) next to the packed aux ones (`hidden_states`). One
+forward, no lists, and SGLang's own loader, so quantized checkpoints work too. This is SGLang
+0.5.23's internal API, pinned by the project; `tests/test_capture.py` checks the states
+against HF's.
+
+Tensor parallelism: rank 0 runs in the capture worker; ranks 1.. are processes it spawns,
+which load their shard and follow rank 0's requests, broadcast over the TP group's CPU group
+(all ranks must run every forward: the layers all-reduce).
+"""
+from __future__ import annotations
+
+import multiprocessing
+
+from workflows.core.engines import EngineSpec
+from workflows.core.sglang import engine_kwargs, exit_with_parent
+
+
+def _server_args(spec: EngineSpec, request: list[int]):
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(**engine_kwargs(spec, disable_radix_cache=True, enable_return_hidden_states=True,
+                                      enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
+                                      return_aux_hidden_state_layer_ids=request))
+    args.resolve_once()
+    return args
+
+
+class CaptureRunner:
+    """One TP rank of the target in SGLang's ModelRunner. Rank 0's `forward` returns
+    (aux [T, k*H], final [T, H]) for the concatenated sequences; the other ranks `follow`."""
+
+    def __init__(self, spec: EngineSpec, request: list[int], server_args, port_args, tp_rank: int):
+        import torch
+        from sglang.benchmark import one_batch
+
+        self._ob, self.tp_rank, self.tp_size = one_batch, tp_rank, spec.tp_size
+        one_batch.publish(server_args, role="scheduler", ranks=one_batch.SpawnRanks(
+            world_rank=one_batch.spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=0), gpu_id=tp_rank))
+        one_batch._init_process_global_configs()
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        bench_runner, _ = one_batch.load_model(server_args, port_args, tp_rank, tp_rank)
+        self.runner = bench_runner.torch_runner
+        self._clear = bench_runner.clear
+        if self.tp_size > 1:
+            from sglang.srt.runtime_context import get_parallel
+
+            self._group = get_parallel().tp_group.cpu_group
+
+    def _broadcast(self, message):
+        import torch.distributed as dist
+
+        box = [message]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
+    def forward(self, seqs: list[list[int]], capture: bool = True):
+        """Prefill `seqs` as one batch. capture: (aux, final) tensors on the runner's device;
+        else None (the benchmark's bare forward: the same prefill, nothing kept)."""
+        if self.tp_size > 1 and self.tp_rank == 0:
+            self._broadcast((seqs, capture))
+        return self._forward(seqs, capture)
+
+    def _forward(self, seqs, capture):
+        import torch
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        ob, runner = self._ob, self.runner
+        reqs = ob.prepare_synthetic_inputs_for_latency_test(len(seqs), 0, custom_inputs=seqs)
+        # No prefix cache: every token is prefilled, so every token's state comes back.
+        cache = ob.TreeCacheNamespace(page_size=ob.get_schedule().page_size, device=runner.device,
+                                      token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator)
+        try:
+            with torch.no_grad():
+                batch = ScheduleBatch.init_new(
+                    reqs=reqs, req_to_token_pool=runner.req_to_token_pool,
+                    token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator, tree_cache=cache,
+                    model_config=runner.model_config, enable_overlap=False, spec_algorithm=SpeculativeAlgorithm.NONE)
+                batch.prepare_for_extend()
+                ob._maybe_prepare_mlp_sync_batch(batch, runner)
+                if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:
+                    batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device)
+                    batch.prefill_input_ids_cpu = None
+                if capture:
+                    batch.capture_hidden_mode = CaptureHiddenMode.FULL
+                forward_batch = ForwardBatch.init_new(batch, runner, return_hidden_states_before_norm=False)
+                if capture:
+                    forward_batch.capture_hidden_mode = CaptureHiddenMode.FULL
+                out = runner.forward(forward_batch).logits_output
+        finally:
+            self._clear()  # the KV pool holds one call's tokens at a time
+        if not capture or self.tp_rank != 0:
+            return None
+        total = sum(map(len, seqs))
+        aux, final = out.hidden_states, out.last_hidden_states
+        if aux is None or final is None or aux.shape[0] != total or final.shape[0] != total:
+            raise RuntimeError(f"SGLang's runner returned aux {None if aux is None else tuple(aux.shape)} and "
+                               f"final {None if final is None else tuple(final.shape)} states for {total} tokens")
+        return aux, final
+
+    def follow(self) -> None:
+        """Ranks 1..: run each forward rank 0 broadcasts, until it broadcasts None."""
+        while (message := self._broadcast(None)) is not None:
+            self._forward(*message)
+
+    def close(self) -> None:
+        if self.tp_size > 1 and self.tp_rank == 0:
+            self._broadcast(None)
+
+
+def _follower(spec_fields: dict, request: list[int], server_args, port_args, tp_rank: int) -> None:
+    exit_with_parent()
+    CaptureRunner(EngineSpec(**spec_fields), request, server_args, port_args, tp_rank).follow()
+
+
+def start(spec: EngineSpec, request: list[int]) -> tuple[CaptureRunner, list]:
+    """Rank 0's runner in this process, and the processes of ranks 1.. (already following)."""
+    from sglang.benchmark.one_batch import PortArgs
+    from sglang.srt.entrypoints.engine import _set_envs_and_config
+
+    server_args = _server_args(spec, request)
+    _set_envs_and_config(server_args)
+    port_args = PortArgs.init_new(server_args)
+    context = multiprocessing.get_context("spawn")  # no fork of a process that holds threads
+    followers = [context.Process(target=_follower, args=(vars(spec), request, server_args, port_args, rank),
+                                 daemon=True) for rank in range(1, spec.tp_size)]
+    for process in followers:
+        process.start()
+    return CaptureRunner(spec, request, server_args, port_args, 0), followers
