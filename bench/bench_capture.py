@@ -1,7 +1,7 @@
 """Capture throughput vs the same engine's bare forward on the same batches, in one run.
 
     python -m bench.bench_capture [--backend hf|sglang] [--final-state auto|runner|tail] [--target PATH]
-        [--samples 64] [--length 256]
+        [--samples 64] [--length 256] [--device cpu|cuda]
 
 HF: the bare forward is the target's plain `model(...)` over the capture engine's own
 micro-batches. SGLang: the same sequences as a plain prefill through the capture worker's
@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--backend", choices=["hf", "sglang"], default="hf")
     ap.add_argument("--final-state", choices=["auto", "runner", "tail"], default="auto", help="sglang only")
+    ap.add_argument("--device", default="cpu", help="cuda: the HF model on the GPU, SGLang's GPU settings")
     args = ap.parse_args()
 
     from storage.store import HiddenStateStore
@@ -49,7 +50,8 @@ def main() -> None:
     ids = args.layer_ids or [1, n_layers // 2 - 1, n_layers - 4] if n_layers >= 8 else args.layer_ids or [0, 2, 4]
     engine = make_engine(args.backend, EngineSpec(str(target), dtype=args.dtype, layer_ids=ids,
                                                   micro_batch_tokens=args.micro_batch_tokens,
-                                                  final_state=args.final_state))
+                                                  final_state=args.final_state, device=args.device,
+                                                  max_total_tokens=None if args.device == "cuda" else 4096))
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, text["vocab_size"], (args.length - (i % 7) * 3,), generator=g).tolist()
             for i in range(args.samples)]
@@ -66,6 +68,8 @@ def main() -> None:
             t = time.perf_counter()
             for p in plans:
                 engine.bare_forward(p.input_ids)
+            if args.device == "cuda":  # the bare forward queues kernels; the capture's copies wait for them
+                torch.cuda.synchronize()
             bare_s.append(time.perf_counter() - t)
             store = HiddenStateStore.create_or_open(str(tmp / f"store{r}"), prov)
             t = time.perf_counter()

@@ -341,6 +341,21 @@ def test_sglang_states_equal_hfs_by_either_final_state_method(tiny_target, metho
     engine.close()  # twice is harmless
 
 
+@pytest.mark.sglang
+def test_a_silent_sglang_capture_worker_is_reported_after_its_timeout(tiny_target):
+    """capture.engine_timeout_s bounds the worker's start (and each call): past it the actor
+    gets an error naming the step, the timeout and the worker's state, and the worker is
+    told to exit."""
+    pytest.importorskip("sglang")
+    from workflows.core.engines import EngineSpec, make_engine
+
+    engine = make_engine("sglang", EngineSpec(str(tiny_target), layer_ids=[1, 3, 4], timeout_s=0.5))
+    with pytest.raises(RuntimeError, match=r"SGLang capture worker failed during start \(did not answer "
+                                           r"within 0.5 s; rc None\)"):
+        engine.states([[1, 2, 3]])
+    assert engine._proc is None  # closed (it exits once its load ends and it reads EOF)
+
+
 def test_sglang_refuses_the_last_layers_output_where_the_tail_cannot_run(tiny_target, tmp_path):
     """SGLang never returns id N-1 (the last layer's output); only the tail gives it, and the
     tail cannot run a quantized layer: refused before any engine starts, naming why."""

@@ -388,7 +388,7 @@ def _capture_with_ray(cfg: FullConfig, target_path, store: HiddenStateStore, tod
               "micro_batch_tokens": c.micro_batch_tokens, "trust_remote_code": cfg.target.trust_remote_code,
               "threads": max(1, int(c.cpus_per_actor)), "device": "cuda" if c.gpus_per_actor else "cpu",
               "tp_size": cfg.target.tp_size if c.backend == "sglang" else 1, "seed": cfg.seed,
-              "final_state": c.final_state,
+              "final_state": c.final_state, "timeout_s": c.engine_timeout_s,
               # SGLang sizes its own KV pool on GPUs (the 4096-token CPU default would refuse long samples).
               "max_total_tokens": None if c.gpus_per_actor else 4096}
     with warnings.catch_warnings():

@@ -185,6 +185,9 @@ class CaptureSection:
     # "tail": the Engine's aux states plus the last layer and norm applied in the actor
     # (workflows.core.sglang).
     final_state: Literal["auto", "runner", "tail"] = "auto"
+    # SGLang: seconds its capture worker may take to start (a TP-8 load of a 1T checkpoint from
+    # network storage takes tens of minutes) or to answer one call, before the actor gives up
+    engine_timeout_s: float = 3600.0
     chunk_mb: float = 1.0  # Zarr chunk size of the state arrays (one Zarr shard file per array)
     compression: str = "none"  # or zstd[:level] (~1.28x on bf16 states, much slower)
     estimate_only: bool = False  # print bytes/token and the projected size, capture nothing
@@ -205,7 +208,7 @@ class CaptureSection:
         check_ranges(self, where, shard_samples=">=1", shards_per_call=">=1", micro_batch_tokens=">=1",
                      actors=">=1", cpus_per_actor=">0", gpus_per_actor=">=0", chunk_mb=">0",
                      estimate_tokens=">=1", fail_after_shards=">=0", estimate_capture_tokens_per_s=">0",
-                     estimate_generate_tokens_per_s=">0",
+                     estimate_generate_tokens_per_s=">0", engine_timeout_s=">0",
                      max_actor_restarts=">=0")
         level = self.compression.removeprefix("zstd").removeprefix(":")
         if self.compression != "none" and not (self.compression.startswith("zstd") and (not level or level.isdigit())):

@@ -42,6 +42,7 @@ class EngineSpec:
     # sglang states(): how the final hidden state comes back ("runner", what "auto" picks: SGLang's
     # model runner returns it from the same forward; "tail"); workflows.core.sglang.
     final_state: str = "auto"
+    timeout_s: float = 3600.0  # sglang states(): the capture worker's start, and each call
 
 
 def make_engine(backend: str, spec: EngineSpec):

@@ -95,10 +95,10 @@ class SGLangEngine:
     backend = "sglang"
     final_is_normed = True  # SGLang's returned hidden state is after the final norm
 
-    def __init__(self, spec: EngineSpec, timeout_s: float = 1800):
+    def __init__(self, spec: EngineSpec):
         from transformers import AutoTokenizer
 
-        self.spec, self.timeout_s = spec, timeout_s
+        self.spec, self.timeout_s = spec, spec.timeout_s
         self.tokenizer = AutoTokenizer.from_pretrained(spec.target_path, trust_remote_code=spec.trust_remote_code)
         self._engine = None  # generation: an in-process engine
         self._proc = None  # hidden states: the capture worker (a child process with its own engine)
