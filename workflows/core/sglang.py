@@ -204,7 +204,7 @@ class SGLangEngine:
             rc = self._proc.poll()
             self._stderr.seek(0)
             tail = self._stderr.read()[-3000:]
-            self.close()
+            self.close(kill=True)  # dead, or hung past its timeout: no grace period
             raise RuntimeError(f"SGLang capture worker failed during {what} ({exc}; rc {rc}): {tail}") from None
         if "error" in reply:
             raise RuntimeError(f"SGLang capture failed: {reply['error']}")
@@ -255,8 +255,9 @@ class SGLangEngine:
         self._call({"seqs": str(seqs_file), "bare": True}, "bare forward")
         seqs_file.unlink()
 
-    def close(self) -> None:
-        """Shut the engines down; safe to call again, and after a failed start."""
+    def close(self, kill: bool = False) -> None:
+        """Shut the engines down; safe to call again, and after a failed start. kill: SIGKILL
+        the capture worker at once (its TP ranks and SGLang's processes exit with it)."""
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.shutdown()
@@ -265,6 +266,8 @@ class SGLangEngine:
             return
         os.close(self._req_w)  # EOF: the worker shuts its engine down and exits
         try:
+            if kill:
+                proc.kill()
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             proc.kill()
