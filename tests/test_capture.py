@@ -322,7 +322,8 @@ def test_sglang_states_equal_hfs_by_either_final_state_method(tiny_target, metho
     from workflows.core.engines import EngineSpec, make_engine
 
     seqs = [[1, 5, 9, 33, 2, 7, 100, 4, 8, 8], [3, 4, 5, 6, 7]]
-    spec = EngineSpec(str(tiny_target), dtype=dtype, layer_ids=[1, 3, 4], final_state=method)
+    # 12 tokens per forward: the runner prefills the two sequences as two micro-batches.
+    spec = EngineSpec(str(tiny_target), dtype=dtype, layer_ids=[1, 3, 4], final_state=method, micro_batch_tokens=12)
     engine = make_engine("sglang", spec)
     got = engine.states(seqs)
     assert (engine.final_method, engine.engine_starts) == (method, 1)
@@ -336,6 +337,9 @@ def test_sglang_states_equal_hfs_by_either_final_state_method(tiny_target, metho
         else:  # two bf16 stacks' rounding, six layers deep: close as a whole (1-2% here)
             assert (sf.float() - hf_.float()).norm() / hf_.float().norm() < 0.03
     engine.bare_forward(seqs)  # the benchmark's baseline on the same engine
+    if method == "runner":  # a sequence longer than the KV pool (4096 tokens on CPU) is refused, by name
+        with pytest.raises(RuntimeError, match="a sequence of 4097 tokens does not fit SGLang's KV pool of 4096"):
+            engine.states([[7] * 4097])
     assert engine.states(seqs[::-1])[0][0].shape == got[1][0].shape and engine.engine_starts == 1
     engine.close()
     engine.close()  # twice is harmless
@@ -354,6 +358,24 @@ def test_a_silent_sglang_capture_worker_is_reported_after_its_timeout(tiny_targe
                                            r"within 0.5 s; rc None\)"):
         engine.states([[1, 2, 3]])
     assert engine._proc is None  # killed: a worker past its timeout gets no grace period
+
+
+def test_runner_micro_batches_keep_order_and_the_token_budget():
+    """The SGLang runner's micro-batches against the obvious reference: consecutive, every
+    sequence once, each group within the budget unless it is one longer sequence."""
+    import random
+
+    from workflows.core.sglang_runner import micro_batches
+
+    rng = random.Random(0)
+    for _ in range(200):
+        seqs = [[rng.randrange(9)] * rng.randint(1, 40) for _ in range(rng.randint(1, 12))]
+        budget = rng.randint(1, 60)
+        groups = micro_batches(seqs, budget)
+        assert [s for g in groups for s in g] == seqs and all(groups)
+        assert all(sum(map(len, g)) <= budget or len(g) == 1 for g in groups)
+        # greedy: a group closes only when the next sequence would not fit
+        assert all(sum(map(len, a)) + len(b[0]) > budget for a, b in zip(groups, groups[1:]))
 
 
 def test_sglang_refuses_the_last_layers_output_where_the_tail_cannot_run(tiny_target, tmp_path):

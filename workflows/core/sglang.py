@@ -359,7 +359,7 @@ def main(argv=None) -> None:
             try:
                 seqs = json.loads(Path(job["seqs"]).read_text())
                 if runner is not None:
-                    states = runner.forward(seqs, capture=not job.get("bare"))
+                    states = runner.states(seqs, spec.micro_batch_tokens, capture=not job.get("bare"))
                     if states is not None:
                         np.savez(job["out"], **_as_arrays(*states))
                 elif job.get("bare"):  # the benchmark's baseline: the same prefill, no state returned

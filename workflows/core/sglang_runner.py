@@ -62,9 +62,25 @@ class CaptureRunner:
         dist.broadcast_object_list(box, src=0, group=self._group)
         return box[0]
 
+    def states(self, seqs: list[list[int]], token_budget: int, capture: bool = True):
+        """Prefill `seqs` in micro-batches of at most `token_budget` tokens (a longer sequence
+        alone), each within the KV pool. capture: (aux, final) of all the tokens, in order, on
+        the CPU; else None (the benchmark's bare forward: the same prefills, nothing kept)."""
+        import torch
+
+        pool = self.runner.max_total_num_tokens
+        longest = max(map(len, seqs))
+        if longest > pool:
+            raise ValueError(f"a sequence of {longest} tokens does not fit SGLang's KV pool of {pool} tokens "
+                             "(capture on CPU: 4096; on GPUs SGLang sizes it from its memory fraction)")
+        outs = [self.forward(group, capture) for group in micro_batches(seqs, min(max(token_budget, 1), pool))]
+        if not capture:
+            return None
+        return tuple(torch.cat([out[k].cpu() for out in outs]) for k in (0, 1))
+
     def forward(self, seqs: list[list[int]], capture: bool = True):
         """Prefill `seqs` as one batch. capture: (aux, final) tensors on the runner's device;
-        else None (the benchmark's bare forward: the same prefill, nothing kept)."""
+        else None."""
         if self.tp_size > 1 and self.tp_rank == 0:
             self._broadcast((seqs, capture))
         return self._forward(seqs, capture)
@@ -116,6 +132,18 @@ class CaptureRunner:
     def close(self) -> None:
         if self.tp_size > 1 and self.tp_rank == 0:
             self._broadcast(None)
+
+
+def micro_batches(seqs: list[list[int]], budget: int) -> list[list[list[int]]]:
+    """Consecutive groups of `seqs` of at most `budget` tokens each (a longer one alone)."""
+    groups, tokens = [], budget + 1
+    for seq in seqs:
+        if tokens + len(seq) > budget:
+            groups.append([])
+            tokens = 0
+        groups[-1].append(seq)
+        tokens += len(seq)
+    return groups
 
 
 def _follower(spec_fields: dict, request: list[int], server_args, port_args, tp_rank: int) -> None:
