@@ -376,6 +376,10 @@ def test_runner_micro_batches_keep_order_and_the_token_budget():
         assert all(sum(map(len, g)) <= budget or len(g) == 1 for g in groups)
         # greedy: a group closes only when the next sequence would not fit
         assert all(sum(map(len, a)) + len(b[0]) > budget for a, b in zip(groups, groups[1:]))
+        # and at most max_seqs sequences (SGLang's request pool), still greedy and in order
+        capped = micro_batches(seqs, budget, max_seqs=3)
+        assert [s for g in capped for s in g] == seqs and all(0 < len(g) <= 3 for g in capped)
+        assert all(len(a) == 3 or sum(map(len, a)) + len(b[0]) > budget for a, b in zip(capped, capped[1:]))
 
 
 def test_sglang_refuses_the_last_layers_output_where_the_tail_cannot_run(tiny_target, tmp_path):

@@ -207,6 +207,8 @@ class SGLangEngine:
             self.close(kill=True)  # dead, or hung past its timeout: no grace period
             raise RuntimeError(f"SGLang capture worker failed during {what} ({exc}; rc {rc}): {tail}") from None
         if "error" in reply:
+            if self.spec.tp_size > 1:  # its TP ranks may be out of step now: the next call starts afresh
+                self.close(kill=True)
             raise RuntimeError(f"SGLang capture failed: {reply['error']}")
         return reply
 

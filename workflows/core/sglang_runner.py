@@ -26,9 +26,13 @@ from workflows.core.sglang import engine_kwargs, exit_with_parent
 def _server_args(spec: EngineSpec, request: list[int]):
     from sglang.srt.server_args import ServerArgs
 
+    # No CUDA graphs: decode graphs never run for a prefill, and a prefill graph's replays share
+    # one output buffer (each micro-batch's states would be overwritten by the next one's).
+    # chunked_prefill_size = the micro-batch, so SGLang's memory plan reserves its activations.
     args = ServerArgs(**engine_kwargs(spec, disable_radix_cache=True, enable_return_hidden_states=True,
                                       enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
-                                      return_aux_hidden_state_layer_ids=request))
+                                      return_aux_hidden_state_layer_ids=request, disable_cuda_graph=True,
+                                      chunked_prefill_size=spec.micro_batch_tokens))
     args.resolve_once()
     return args
 
@@ -64,19 +68,26 @@ class CaptureRunner:
 
     def states(self, seqs: list[list[int]], token_budget: int, capture: bool = True):
         """Prefill `seqs` in micro-batches of at most `token_budget` tokens (a longer sequence
-        alone), each within the KV pool. capture: (aux, final) of all the tokens, in order, on
-        the CPU; else None (the benchmark's bare forward: the same prefills, nothing kept)."""
+        alone), each within the KV pool and the request pool. capture: (aux, final) of all the
+        tokens, in order, on the CPU; else None (the benchmark's bare forward: the same
+        prefills, nothing kept)."""
         import torch
 
-        pool = self.runner.max_total_num_tokens
+        runner = self.runner
+        pool, context = runner.max_total_num_tokens, runner.model_config.context_len
         longest = max(map(len, seqs))
-        if longest > pool:
+        if longest > min(pool, context):
             raise ValueError(f"a sequence of {longest} tokens does not fit SGLang's KV pool of {pool} tokens "
-                             "(capture on CPU: 4096; on GPUs SGLang sizes it from its memory fraction)")
-        outs = [self.forward(group, capture) for group in micro_batches(seqs, min(max(token_budget, 1), pool))]
+                             f"or the target's context of {context} (the CPU pool is 4096 tokens; on GPUs SGLang "
+                             "sizes it from its memory fraction)")
+        outs = []
+        for group in micro_batches(seqs, min(max(token_budget, 1), pool), runner.req_to_token_pool.size):
+            out = self.forward(group, capture)
+            # To the CPU now: the next forward may reuse the device buffers these views point into.
+            outs.append(out and tuple(t.cpu() for t in out))
         if not capture:
             return None
-        return tuple(torch.cat([out[k].cpu() for out in outs]) for k in (0, 1))
+        return tuple(torch.cat([out[k] for out in outs]) for k in (0, 1))
 
     def forward(self, seqs: list[list[int]], capture: bool = True):
         """Prefill `seqs` as one batch. capture: (aux, final) tensors on the runner's device;
@@ -107,11 +118,11 @@ class CaptureRunner:
                 if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:
                     batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device)
                     batch.prefill_input_ids_cpu = None
-                if capture:
-                    batch.capture_hidden_mode = CaptureHiddenMode.FULL
-                forward_batch = ForwardBatch.init_new(batch, runner, return_hidden_states_before_norm=False)
-                if capture:
-                    forward_batch.capture_hidden_mode = CaptureHiddenMode.FULL
+                # FULL: every token's states; NULL for the bare forward (the server's default
+                # mode is FULL, which would make the baseline pay for the capture too).
+                mode = CaptureHiddenMode.FULL if capture else CaptureHiddenMode.NULL
+                forward_batch = ForwardBatch.init_new(batch, runner, capture_hidden_mode=mode,
+                                                      return_hidden_states_before_norm=False)
                 out = runner.forward(forward_batch).logits_output
         finally:
             self._clear()  # the KV pool holds one call's tokens at a time
@@ -134,11 +145,12 @@ class CaptureRunner:
             self._broadcast(None)
 
 
-def micro_batches(seqs: list[list[int]], budget: int) -> list[list[list[int]]]:
-    """Consecutive groups of `seqs` of at most `budget` tokens each (a longer one alone)."""
+def micro_batches(seqs: list[list[int]], budget: int, max_seqs: int | None = None) -> list[list[list[int]]]:
+    """Consecutive groups of `seqs` of at most `budget` tokens (a longer sequence alone) and at
+    most `max_seqs` sequences each."""
     groups, tokens = [], budget + 1
     for seq in seqs:
-        if tokens + len(seq) > budget:
+        if tokens + len(seq) > budget or (max_seqs is not None and len(groups[-1]) >= max_seqs):
             groups.append([])
             tokens = 0
         groups[-1].append(seq)
