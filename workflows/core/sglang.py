@@ -212,27 +212,38 @@ class SGLangEngine:
             raise RuntimeError(f"SGLang capture failed: {reply['error']}")
         return reply
 
+    def _request(self, seqs, what: str, **fields) -> Path:
+        """Start the worker if it is not running, hand it `seqs` in this request's own files
+        (an abandoned request never shares them) and wait for its answer; returns the path the
+        states were written to, if the request asked for states."""
+        if self._proc is None:
+            self._start_capture_worker()
+        k = self._calls + 1
+        seqs_file, out = Path(self._tmp.name) / f"seqs-{k}.json", Path(self._tmp.name) / f"out-{k}.npz"
+        seqs_file.write_text(json.dumps([list(map(int, s)) for s in seqs]))
+        try:
+            self._call({"seqs": str(seqs_file), "out": str(out), **fields}, what)
+        finally:
+            seqs_file.unlink(missing_ok=True)
+        return out
+
     def states(self, seqs):
         import numpy as np
         import torch
 
-        if self._proc is None:
-            self._start_capture_worker()
-        k = self._calls + 1  # the files of this request (an abandoned one never shares them)
-        seqs_file, out = Path(self._tmp.name) / f"seqs-{k}.json", Path(self._tmp.name) / f"out-{k}.npz"
-        seqs_file.write_text(json.dumps([list(map(int, s)) for s in seqs]))
-        self._call({"seqs": str(seqs_file), "out": str(out)}, "capture")
+        from storage.zarr_io import from_bf16_bits
+
+        out = self._request(seqs, "capture")
         with np.load(out) as data:
-            if self.final_method == "runner":  # one array each for the whole call; bf16 travels as int16
-                aux, final = (torch.from_numpy(data[key]) for key in ("aux", "final"))
-                if str(data["dtype"]) == "bfloat16":
-                    aux, final = aux.view(torch.bfloat16), final.view(torch.bfloat16)
+            if self.final_method == "runner":  # one array each for the whole call; bf16 as its bits
+                bf16 = str(data["dtype"]) == "bfloat16"
+                aux, final = (from_bf16_bits(data[key]) if bf16 else torch.from_numpy(data[key])
+                              for key in ("aux", "final"))
                 lens = [len(s) for s in seqs]
                 arrays = list(zip(aux.split(lens), final.split(lens)))
             else:
-                arrays = [(torch.from_numpy(data[f"aux_{k}"]), None) for k in range(len(seqs))]
+                arrays = [(torch.from_numpy(data[f"aux_{i}"]), None) for i in range(len(seqs))]
         out.unlink()
-        seqs_file.unlink()
         H = arrays[0][0].shape[1] // len(self._slots)
         blocks = [aux.split(H, dim=1) for aux, _ in arrays]
         last_outs, finals = [None] * len(arrays), [final for _, final in arrays]
@@ -250,12 +261,7 @@ class SGLangEngine:
     def bare_forward(self, seqs) -> None:
         """The same sequences through the capture worker's engine as a plain prefill, no state
         returned (the capture benchmark's baseline)."""
-        if self._proc is None:
-            self._start_capture_worker()
-        seqs_file = Path(self._tmp.name) / f"seqs-{self._calls + 1}.json"
-        seqs_file.write_text(json.dumps([list(map(int, s)) for s in seqs]))
-        self._call({"seqs": str(seqs_file), "bare": True}, "bare forward")
-        seqs_file.unlink()
+        self._request(seqs, "bare forward", bare=True)
 
     def close(self, kill: bool = False) -> None:
         """Shut the engines down; safe to call again, and after a failed start. kill: SIGKILL
@@ -384,15 +390,14 @@ def main(argv=None) -> None:
 
 def _as_arrays(aux, final) -> dict:
     """The runner's tensors as numpy arrays for the reply file; bf16 (which numpy lacks) as
-    its raw int16 bits, so a bf16 engine's states cross at half the bytes of float32."""
+    its bit patterns, so a bf16 engine's states cross at half the bytes of float32."""
     import torch
 
-    dtype = "bfloat16" if aux.dtype == torch.bfloat16 else "float32"
-    if dtype == "bfloat16":
-        aux, final = aux.view(torch.int16), final.to(torch.bfloat16).view(torch.int16)
-    else:
-        aux, final = aux.float(), final.float()
-    return {"aux": aux.cpu().numpy(), "final": final.cpu().numpy(), "dtype": dtype}
+    from storage.zarr_io import to_bf16_bits
+
+    if aux.dtype == torch.bfloat16:
+        return {"aux": to_bf16_bits(aux), "final": to_bf16_bits(final), "dtype": "bfloat16"}
+    return {"aux": aux.float().cpu().numpy(), "final": final.float().cpu().numpy(), "dtype": "float32"}
 
 
 if __name__ == "__main__":
