@@ -169,3 +169,86 @@ def test_specforge_scored_rows_differ_from_ours_at_the_answer_ends():
     # and the label position t+1+j is a real token of the sample.
     assert ours[0, :, 0].tolist() == [1, 1, 1, 0, 0, 0, 0] and ours[0, :, 1].tolist() == [1, 1, 0, 0, 0, 0, 0]
     assert theirs[0, :, 0].tolist() == [0, 0, 1, 1, 1, 0, 0] and theirs[0, :, 1].tolist() == [0, 1, 1, 1, 0, 0, 0]
+
+
+# --- the head's start (draft.init_head) --------------------------------------------------------
+def test_init_head_from_target_starts_at_the_targets_own_distribution():
+    """With the target's head rows and final norm, the draft's logits of any hidden state are
+    the target head's logits over the draft vocabulary: same values, same argmax."""
+    cfg = tiny_draft_config(hidden_size=24)  # as wide as the target, as every real draft is
+    draft = random_draft(cfg)
+    g = torch.Generator().manual_seed(3)
+    chosen = torch.randperm(cfg.vocab_size, generator=g)[: cfg.draft_vocab_size].sort().values
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[chosen] = True
+    draft.set_vocab_mapping(chosen - torch.arange(cfg.draft_vocab_size), t2d)
+    head = torch.randn(cfg.vocab_size, 24, generator=g, dtype=torch.float64)
+    norm = 1 + 0.3 * torch.randn(24, generator=g, dtype=torch.float64)
+    draft.init_head_from_target(head, norm)
+    hidden = torch.randn(2, 5, 24, generator=g, dtype=torch.float64) * 4
+    want = rms(hidden, norm, cfg.rms_norm_eps) @ head[chosen].T  # the slow reference, row by row
+    assert torch.allclose(draft.logits(hidden), want)
+    full = rms(hidden, norm, cfg.rms_norm_eps) @ head.T
+    full[..., ~t2d] = -torch.inf  # the target's best token among those the draft has
+    assert torch.equal(draft.draft_to_target(draft.logits(hidden).argmax(-1)), full.argmax(-1))
+
+
+def test_init_head_refuses_a_draft_narrower_than_the_target():
+    draft = random_draft(tiny_draft_config())  # hidden 32, target head 24 wide
+    with pytest.raises(ValueError, match=r"draft.init_head=target .* hidden_size must equal the target's"):
+        draft.init_head_from_target(torch.randn(97, 24), torch.ones(24))
+
+
+def test_draft_section_refuses_an_unknown_head_start():
+    from workflows.core.config import DraftSection
+
+    with pytest.raises(ConfigError, match=r"draft.init_head='tied' is not 'random' or 'target'"):
+        DraftSection(init_head="tied").validate()
+
+
+def test_heldout_accuracy_per_sample_on_specforge_rows_matches_a_sample_by_sample_reference():
+    """evaluate_heldout's SpecForge figure: per sample, hits / scored rows on SpecForge's rows,
+    then the mean over samples; padded batches of several samples give what each sample alone does."""
+    from eagle3.target_features import collate_samples
+    from eagle3.target_head import TargetHead
+    from eagle3.training import LoopConfig, forward_batch
+    from eagle3.ttt import NoiseConfig, TTTConfig
+    from workflows.train.evaluation import evaluate_heldout
+
+    cfg = tiny_draft_config()
+    draft = random_draft(cfg)
+    g = torch.Generator().manual_seed(5)
+    # Target and draft both choose mostly between tokens 0 and 1, so about half the rows hit.
+    weight = torch.randn(cfg.vocab_size, 24, generator=g, dtype=torch.float64) * 0.01
+    weight[:2] = torch.randn(2, 24, generator=g, dtype=torch.float64) * 5
+    head = TargetHead(weight)
+    with torch.no_grad():
+        draft.lm_head.weight[2:] *= 0.01
+        draft.lm_head.weight[:2] *= 50
+    samples = []
+    for n, start in ((9, 3), (14, 5), (6, 2), (11, 4), (8, 7)):
+        mask = torch.zeros(n, dtype=torch.long)
+        mask[start:] = 1
+        samples.append({"input_ids": torch.randint(0, cfg.vocab_size, (n,), generator=g), "loss_mask": mask,
+                        "aux": torch.randn(n, 72, generator=g, dtype=torch.float64) * 3,
+                        "final": torch.randn(n, 24, generator=g, dtype=torch.float64) * 3})
+    loop = LoopConfig(ttt=TTTConfig(length=3, noise=NoiseConfig(kind="none")), acceptance_k=2,
+                      compute_dtype="float32")
+    batches = [collate_samples(samples[:3]), collate_samples(samples[3:])]
+    got = evaluate_heldout(draft, head, batches, loop, edges=[4], device=torch.device("cpu"))
+
+    rates, hits, counts = [], torch.zeros(3), torch.zeros(3)
+    with torch.no_grad():
+        for s in samples:
+            b = collate_samples([s])
+            scores = forward_batch(draft, head, b, loop.ttt, train=False)
+            w = step_weights(b["loss_mask"], b["attention_mask"], 3, rows="input")[0]  # [T, L]
+            h = (scores.correct[0].double() * w).sum(0)
+            rates.append([float(h[j] / w[:, j].sum()) if w[:, j].sum() > 0 else None for j in range(3)])
+            hits, counts = hits + h, counts + w.sum(0)
+    for j in range(3):
+        per_sample = [r[j] for r in rates if r[j] is not None]
+        assert got["step_acc_specforge_per_sample"][j] == pytest.approx(sum(per_sample) / len(per_sample), abs=1e-12)
+        assert got["step_acc_specforge_rows"][j] == pytest.approx(float(hits[j] / counts[j]), abs=1e-12)
+    # The two views differ when samples differ in length (else this test could not tell them apart).
+    assert got["step_acc_specforge_per_sample"] != pytest.approx(got["step_acc_specforge_rows"], abs=1e-9)

@@ -39,9 +39,15 @@ class DraftSection:
     # Feature norms before `fc` that SGLang serves from config.json (eagle3.draft_config).
     fc_norm: bool = False
     norm_before_fc: bool = False
+    # Where lm_head and the final norm start: "random" (torch's default initialisation, as
+    # SpecForge 0.2.0) or "target" (the target's head rows for the draft vocabulary and its
+    # final norm; eagle3.modeling.Eagle3Draft.init_head_from_target).
+    init_head: Literal["random", "target"] = "random"
 
     def validate(self, where: str = "draft") -> None:
         check_ranges(self, where, draft_vocab_size=">=1", intermediate_size=">=1")
+        if self.init_head not in ("random", "target"):
+            raise ConfigError(f"{where}.init_head={self.init_head!r} is not 'random' or 'target'")
         if self.fc_norm and self.norm_before_fc:
             raise ConfigError(f"{where}.fc_norm and {where}.norm_before_fc are both set: SGLang would serve the "
                               "pair but vLLM's speculators refuses it; choose one")

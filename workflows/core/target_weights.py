@@ -64,14 +64,26 @@ def read_embeddings(folder: Path) -> torch.Tensor:
     return read_tensor(folder, EMBEDDINGS)
 
 
-def read_target_head(folder: Path, final_is_normed: bool) -> TargetHead:
-    """The target's frozen head; with the final norm in front when `final` is pre-norm."""
-    folder = Path(folder)
+def _lm_head(folder: Path) -> tuple[torch.Tensor, dict]:
+    """(the target's output embedding [vocab, hidden], its text config)."""
     config = json.loads((folder / "config.json").read_text())
     text_config = config.get("text_config", config)  # multimodal targets nest the LM's config
     names = tensor_files(folder)
     tied = text_config.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
-    head = read_tensor(folder, EMBEDDINGS if tied or _find(names, LM_HEAD) is None else LM_HEAD)
+    return read_tensor(folder, EMBEDDINGS if tied or _find(names, LM_HEAD) is None else LM_HEAD), text_config
+
+
+def read_head_and_norm(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lm_head [vocab, hidden], final norm weight [hidden]) in float32: the draft's
+    `draft.init_head=target` start."""
+    head, _ = _lm_head(Path(folder))
+    return head.float(), read_tensor(Path(folder), FINAL_NORM).float()
+
+
+def read_target_head(folder: Path, final_is_normed: bool) -> TargetHead:
+    """The target's frozen head; with the final norm in front when `final` is pre-norm."""
+    folder = Path(folder)
+    head, text_config = _lm_head(folder)
     norm = None
     if not final_is_normed:
         norm = RMSNorm(head.shape[1], float(text_config.get("rms_norm_eps", 1e-6)))

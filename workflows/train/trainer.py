@@ -23,7 +23,7 @@ import torch
 
 from eagle3.modeling import Eagle3Draft
 from eagle3.schema import from_dict
-from workflows.core.target_weights import read_embeddings, read_target_head
+from workflows.core.target_weights import read_embeddings, read_head_and_norm, read_target_head
 from eagle3.training import autocast_for, forward_batch, lr_at, make_optimizer
 from storage.reader import StoreReader
 from workflows.core.cli import log
@@ -69,6 +69,8 @@ def build_draft(cfg: FullConfig, target_path: str, vocab) -> Eagle3Draft:
     draft = Eagle3Draft(cfg.draft.build(cfg.target, vocab.d2t.numel()))
     draft.load_target_embeddings(read_embeddings(Path(target_path)).float())
     draft.set_vocab_mapping(vocab.d2t, vocab.t2d)
+    if cfg.draft.init_head == "target":
+        draft.init_head_from_target(*read_head_and_norm(Path(target_path)))
     if cfg.train.init_from:  # warm start: weights only, a fresh optimizer and schedule
         load_draft_weights(Path(cfg.train.init_from), draft)
     return draft
