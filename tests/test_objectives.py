@@ -252,3 +252,27 @@ def test_heldout_accuracy_per_sample_on_specforge_rows_matches_a_sample_by_sampl
         assert got["step_acc_specforge_rows"][j] == pytest.approx(float(hits[j] / counts[j]), abs=1e-12)
     # The two views differ when samples differ in length (else this test could not tell them apart).
     assert got["step_acc_specforge_per_sample"] != pytest.approx(got["step_acc_specforge_rows"], abs=1e-9)
+
+
+def test_build_draft_starts_the_head_from_the_tiny_targets_checkpoint(tiny_target):
+    """draft.init_head=target through the train stage's builder, read from the prepared
+    checkpoint's safetensors: the draft's rows are the target's rows of its draft ids."""
+    from safetensors.torch import load_file
+
+    from eagle3.vocab import build_draft_vocab
+    from workflows.core.config import compose
+    from workflows.train.trainer import build_draft
+
+    common = ["target=tiny", f"cache_dir={tiny_target.parent.parent}", "draft.draft_vocab_size=64"]
+    counts = torch.arange(1024, 0, -1)[torch.randperm(1024, generator=torch.Generator().manual_seed(0))]
+    vocab = build_draft_vocab(counts, 64, warn=lambda *_: None)
+    draft = build_draft(compose([*common, "draft.init_head=target"]), str(tiny_target), vocab)
+    weights = {}
+    for f in sorted(tiny_target.glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).float()
+    assert torch.equal(draft.lm_head.weight, head[draft.target_ids()])
+    assert torch.equal(draft.norm.weight, weights["model.norm.weight"].float())
+    plain = build_draft(compose(common), str(tiny_target), vocab)  # the default: torch's random start
+    assert not torch.equal(plain.lm_head.weight, draft.lm_head.weight)
+    assert torch.equal(plain.norm.weight, torch.ones_like(plain.norm.weight))

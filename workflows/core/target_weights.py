@@ -74,10 +74,11 @@ def _lm_head(folder: Path) -> tuple[torch.Tensor, dict]:
 
 
 def read_head_and_norm(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lm_head [vocab, hidden], final norm weight [hidden]) in float32: the draft's
-    `draft.init_head=target` start."""
+    """(lm_head [vocab, hidden] in the checkpoint's dtype, final norm weight [hidden]): the
+    draft's `draft.init_head=target` start. The head stays as stored (bf16 for Kimi-K2.5:
+    2.3 GB, twice that in float32); the draft converts only its own rows."""
     head, _ = _lm_head(Path(folder))
-    return head.float(), read_tensor(Path(folder), FINAL_NORM).float()
+    return head, read_tensor(Path(folder), FINAL_NORM).float()
 
 
 def read_target_head(folder: Path, final_is_normed: bool) -> TargetHead:
