@@ -190,8 +190,8 @@ BOM = b"\xef\xbb\xbf"
 @pytest.mark.parametrize("name, body", [
     ("bom.json", json.dumps([{"prompt": "first"}, {"prompt": "second"}]).encode()),
     ("bom.jsonl", b'{"prompt": "first"}\n{"prompt": "second"}\n'),
-    ("bom.jsonl.gz", gzip.compress(b'{"prompt": "first"}\r\n{"prompt": "second"}\r\n')),
-])
+    ("bom.jsonl.gz", gzip.compress(b'{"prompt": "first"}\r\n{"prompt": "second"}\r\n', mtime=0)),
+], ids=["json", "jsonl", "jsonl.gz"])  # stable ids: every pytest-xdist worker must collect the same tests
 def test_utf8_bom_at_start_is_accepted(tmp_path, name, body):
     path = tmp_path / name
     path.write_bytes(gzip.compress(BOM + gzip.decompress(body)) if name.endswith(".gz") else BOM + body)
