@@ -42,12 +42,8 @@ $(STAMP): pyproject.toml requirements/sglang-cpu.txt
 run: setup
 	$(PY) -m workflows.full $(ARGS)
 
-# Two pytest workers (pytest-xdist), a test file each at a time: much of a test's time is
-# single-threaded start-up (Python and Ray processes, SGLang engines), which a second worker
-# overlaps. TEST_WORKERS=0 runs everything in one process.
-TEST_WORKERS ?= 2
 test: setup
-	OMP_NUM_THREADS=2 DS_ACCELERATOR=cpu WANDB_MODE=offline $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	OMP_NUM_THREADS=2 DS_ACCELERATOR=cpu WANDB_MODE=offline $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: setup
 	OMP_NUM_THREADS=2 DS_ACCELERATOR=cpu WANDB_MODE=offline $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
