@@ -55,7 +55,7 @@ def evaluate_heldout(draft, head, batches, loop_cfg, edges: list[int], device) -
         sf_hits += (c * sf_w).sum((0, 1))
         sf_counts += sf_w.sum((0, 1))
         row_hits, row_counts = (c * sf_w).sum(1), sf_w.sum(1)  # [B, L]: one sample per row
-        sf_sample_sum += torch.where(row_counts > 0, row_hits / row_counts.clamp_min(1), 0.0).sum(0)
+        sf_sample_sum += (row_hits / row_counts.clamp_min(1)).sum(0)  # a row without scored rows adds 0
         sf_samples += (row_counts > 0).sum(0)
         alphas += s.step_alpha_t.double().cpu() * w.sum((0, 1))
         counts += w.sum((0, 1))
