@@ -59,8 +59,10 @@ class DraftConfig:
         intermediate_size: int | None = None,
         norm_before_fc: bool = False,
         fc_norm: bool = False,
+        rope_theta: float | None = None,
     ) -> "DraftConfig":
-        """The usual EAGLE-3 draft: the target's width, heads and rotary settings."""
+        """The usual EAGLE-3 draft: the target's width, heads and rotary settings (the
+        RoPE base may be chosen apart: `rope_theta`, null for the target's)."""
         shape = target.layer_shape()
         cfg = cls(
             **{**shape, "intermediate_size": intermediate_size or shape["intermediate_size"]},
@@ -68,7 +70,7 @@ class DraftConfig:
             target_hidden_size=target.hidden_size,
             target_num_layers=target.num_layers,
             capture_layer_ids=target.capture_ids,
-            rope_theta=target.rope_theta,
+            rope_theta=target.rope_theta if rope_theta is None else float(rope_theta),
             norm_before_fc=norm_before_fc,
             fc_norm=fc_norm,
         )

@@ -43,7 +43,7 @@ def test_sglang_export_config_and_weights(tmp_path, tiny_target):
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]
     assert cfg["draft_vocab_size"] == 256 and cfg["vocab_size"] == 1024 and cfg["num_hidden_layers"] == 1
     assert cfg["target_hidden_size"] == 64 and cfg["hidden_size"] == 32  # written because they differ
-    assert cfg["tie_word_embeddings"] is False
+    assert cfg["tie_word_embeddings"] is False and cfg["rope_theta"] == 10000.0
     ours, theirs = load_file(str(src / "draft.safetensors")), load_file(str(out / "model.safetensors"))
     assert set(theirs) == set(ours) and "embed_tokens.weight" not in theirs
     assert theirs["fc.weight"].dtype == torch.bfloat16 and theirs["d2t"].dtype == torch.long
@@ -99,7 +99,7 @@ def test_draft_section_refuses_both_feature_norms():
 def test_sglang_loads_the_export_with_its_own_class(tmp_path, tiny_target):
     """SGLang's LlamaForCausalLMEagle3 built on CPU; every parameter checked after load_weights
     (the feature norms' too: SGLang builds them from config.json's flags). One process."""
-    cases = [({}, 10), ({"fc_norm": True}, 13), ({"norm_before_fc": True}, 11)]
+    cases = [({}, 10), ({"fc_norm": True}, 13), ({"norm_before_fc": True, "rope_theta": 50000.0}, 11)]
     outs = [export_sglang(make_draft_dir(tmp_path / f"draft{i}", tiny_target, hidden=32, **norms),
                           tmp_path / f"sglang{i}", "float32") for i, (norms, _) in enumerate(cases)]
     from workflows.core.sglang import with_shim
@@ -118,6 +118,7 @@ def test_sglang_loads_the_export_with_its_own_class(tmp_path, tiny_target):
         assert len(report["checked"]) == params and report["not_ours"] == ["model.embed_tokens.weight"], report
         norm_params = [n for n in report["checked"] if n.startswith(("model.fc_norm.", "model.input_norm."))]
         assert len(norm_params) == params - 10, report
+        assert report["rope_base"] == norms.get("rope_theta", 10000.0), report  # draft.rope_theta is served
 
 
 @pytest.mark.slow

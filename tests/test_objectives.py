@@ -206,6 +206,30 @@ def test_draft_section_refuses_an_unknown_head_start():
         DraftSection(init_head="tied").validate()
 
 
+# --- the draft's RoPE base (draft.rope_theta) ------------------------------------------------
+def test_draft_rope_theta_is_the_targets_unless_set_and_moves_the_attention():
+    from eagle3.attention import make_ttt_attention
+    from workflows.core.config import compose
+
+    cfg = compose(["+experiment=specforge_smollm2"])  # a preset's spec: no checkpoint needed
+    assert cfg.draft.rope_theta is None
+    assert cfg.draft.build(cfg.target, 256).rope_theta == cfg.target.rope_theta == 100000.0
+    own = compose(["+experiment=specforge_smollm2", "draft.rope_theta=10000"])
+    assert own.draft.build(cfg.target, 256).rope_theta == 10000.0
+    with pytest.raises(ConfigError, match=r"draft.rope_theta=-1.0 is out of range: it must be > 0"):
+        compose(["draft.rope_theta=-1"])
+    # The base reaches the attention: same weights, another base, other outputs (and the
+    # same outputs at position 0, where every rotation is the identity).
+    a, b = (random_draft(tiny_draft_config(rope_theta=theta)) for theta in (10000.0, 100.0))
+    emb, hidden = torch.randint(0, 97, (1, 6)), torch.randn(1, 6, 32, dtype=torch.float64)
+    pos = torch.arange(6)[None]
+    segments = torch.zeros(1, 6, dtype=torch.long)
+    out_a = a.step(emb, hidden, pos, make_ttt_attention(segments, "dense"))
+    out_b = b.step(emb, hidden, pos, make_ttt_attention(segments, "dense"))
+    torch.testing.assert_close(out_a[:, 0], out_b[:, 0])
+    assert (out_a[:, 1:] - out_b[:, 1:]).abs().max() > 1e-3
+
+
 def test_heldout_accuracy_per_sample_on_specforge_rows_matches_a_sample_by_sample_reference():
     """evaluate_heldout's SpecForge figure: per sample, hits / scored rows on SpecForge's rows,
     then the mean over samples; padded batches of several samples give what each sample alone does."""

@@ -43,9 +43,13 @@ class DraftSection:
     # SpecForge 0.2.0) or "target" (the target's head rows for the draft vocabulary and its
     # final norm; eagle3.modeling.Eagle3Draft.init_head_from_target).
     init_head: Literal["random", "target"] = "random"
+    # RoPE base of the draft's attention (null: the target's). The draft attends over a
+    # short recent window; a smaller base rotates its position dims faster there. Served
+    # as is: SGLang and vLLM read the draft's own config.json.
+    rope_theta: float | None = None
 
     def validate(self, where: str = "draft") -> None:
-        check_ranges(self, where, draft_vocab_size=">=1", intermediate_size=">=1")
+        check_ranges(self, where, draft_vocab_size=">=1", intermediate_size=">=1", rope_theta=">0")
         if self.init_head not in ("random", "target"):
             raise ConfigError(f"{where}.init_head={self.init_head!r} is not 'random' or 'target'")
         if self.fc_norm and self.norm_before_fc:
@@ -54,7 +58,8 @@ class DraftSection:
 
     def build(self, target: TargetSpec, draft_vocab_size: int) -> DraftConfig:
         return DraftConfig.for_target(target, draft_vocab_size, self.intermediate_size,
-                                      norm_before_fc=self.norm_before_fc, fc_norm=self.fc_norm)
+                                      norm_before_fc=self.norm_before_fc, fc_norm=self.fc_norm,
+                                      rope_theta=self.rope_theta)
 
 
 def auto_draft_vocab_size(target_vocab: int, distinct_seen: int) -> int:

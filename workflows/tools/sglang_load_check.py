@@ -88,10 +88,17 @@ def check(export_dir: Path) -> dict:
         "target_hidden_size", config["hidden_size"])
     if model.model.fc.weight.shape[1] != expected_fc_in:
         problems.append(f"fc input width {model.model.fc.weight.shape[1]} != {expected_fc_in}")
+    # The rotary base SGLang built the draft's attention with (from config.json through
+    # transformers' rope_parameters): a draft trained with one base and served with another
+    # keeps its weights and loses its acceptance.
+    rope_base = float(model.model.layers[0].self_attn.rotary_emb.base)
+    if rope_base != float(config["rope_theta"]):
+        problems.append(f"SGLang's rotary base {rope_base} != config.json rope_theta {config['rope_theta']}")
     unused = sorted(set(ours) - used)
     if unused:
         problems.append(f"tensors SGLang never loaded: {unused}")
-    return {"ok": not problems, "problems": problems, "checked": sorted(checked), "not_ours": sorted(not_ours)}
+    return {"ok": not problems, "problems": problems, "checked": sorted(checked), "not_ours": sorted(not_ours),
+            "rope_base": rope_base}
 
 
 if __name__ == "__main__":
