@@ -15,6 +15,8 @@ from storage.store import ProvenanceMismatch
 from storage.verify import verify
 from tests.helpers import corpus_rows
 from workflows.capture import stage as capture
+from workflows.capture import plan as capture_plan
+from workflows.capture import sizing as capture_sizing
 from workflows.core.config import compose
 from workflows.core.errors import InputError
 from workflows.generate import stage as generate
@@ -54,7 +56,7 @@ def run_dir_with_corpus(corpus, tmp_path) -> Path:
 def test_capture_is_bit_exact_and_resumes_after_a_crash(tiny_target, corpus, tmp_path, ray_local):
     run_dir = run_dir_with_corpus(corpus, tmp_path)
     samples = corpus_rows(run_dir)
-    n_shards = len(capture.plan_shards(samples, 3)[0])
+    n_shards = len(capture_plan.plan_shards(samples, 3)[0])
     # Every shard after the 3rd fails (twice: once, then its retry): 3 are committed, the
     # others are reported and the stage ends with an error naming them.
     with pytest.raises(RuntimeError, match=f"{n_shards - 3} shard\\(s\\) failed twice.*simulated crash"):
@@ -108,7 +110,7 @@ def test_capture_is_bit_exact_and_resumes_after_a_crash(tiny_target, corpus, tmp
 
 def test_failing_shards_are_reported_and_only_they_rerun(tiny_target, corpus, tmp_path, ray_local):
     run_dir = run_dir_with_corpus(corpus, tmp_path)
-    plans = capture.plan_shards(corpus_rows(run_dir), 3)[0]
+    plans = capture_plan.plan_shards(corpus_rows(run_dir), 3)[0]
     bad = sorted([plans[1].name, plans[-1].name])  # a train shard and a held-out one
     assert bad[0].startswith("heldout-") and bad[1].startswith("train-")
     fault = "capture.fail_shards=[" + ",".join(f"'{n}'" for n in bad) + "]"
@@ -132,7 +134,7 @@ def test_failing_shards_are_reported_and_only_they_rerun(tiny_target, corpus, tm
 
 def test_an_actor_killed_mid_batch_is_restarted_and_its_shards_rewritten(tiny_target, corpus, tmp_path, ray_local):
     run_dir = run_dir_with_corpus(corpus, tmp_path)
-    plans = capture.plan_shards(corpus_rows(run_dir), 3)[0]
+    plans = capture_plan.plan_shards(corpus_rows(run_dir), 3)[0]
     # The first call gets shards 0 and 1: shard 0 is written (never committed), then the
     # process exits at shard 1. Ray restarts the actor and reruns the call.
     capture.run(cfg_for(tiny_target, run_dir, f"capture.die_in_shards=['{plans[1].name}']"), tiny_target)
@@ -237,23 +239,23 @@ def test_train_reads_the_same_batches_from_the_store(tiny_target, corpus, tmp_pa
 def test_bad_inputs_are_refused_or_counted(tiny_target, tmp_path):
     with pytest.raises(ConfigError, match=r"target.capture_layer_ids\[2\]=7 is out of range"):
         cfg_for(tiny_target, tmp_path, "target.capture_layer_ids=[0,2,7]")
-    plans, skipped, _ = capture.plan_shards(
+    plans, skipped, _ = capture_plan.plan_shards(
         [{"id": "a", "input_ids": [1, 2], "loss_mask": [0, 1]}, {"id": "e", "input_ids": [], "loss_mask": []},
          {"id": "b", "input_ids": [3], "loss_mask": [1]}], shard_samples=4)
     assert skipped == {"empty_sample": 1} and plans[0].sample_ids == ["a", "b"] and plans[0].n_tokens == 3
     with pytest.raises(InputError, match="row 0 \\(id 'x'\\): field input_ids has 2 tokens but loss_mask 1"):
-        capture.plan_shards([{"id": "x", "input_ids": [1, 2], "loss_mask": [1]}], shard_samples=4)
+        capture_plan.plan_shards([{"id": "x", "input_ids": [1, 2], "loss_mask": [1]}], shard_samples=4)
 
 
 def test_estimate_and_space_refusal(tiny_target, tmp_path, capsys):
     kimi = compose(["target=kimi_k25_int4"])
-    est = capture.estimate(kimi, 88_000_000)
+    est = capture_sizing.estimate(kimi, 88_000_000)
     assert est["bytes_per_token"] == 2 * 4 * 7168 + 5 == 57349
     assert est["projected_bytes"] == 57349 * 88_000_000  # ~5.05 TB (4.59 TiB)
     assert est["projected"].startswith("5.047 TB (4.590 TiB)")
     with pytest.raises(ConfigError, match="capture.store=.*needs ~5046.71 GB.*capture.ignore_space=true"):
-        capture.check_space(str(tmp_path / "store"), est["projected_bytes"], ignore=False)
-    assert capture.check_space(str(tmp_path / "store"), est["projected_bytes"], ignore=True)["free_bytes"] > 0
+        capture_sizing.check_space(str(tmp_path / "store"), est["projected_bytes"], ignore=False)
+    assert capture_sizing.check_space(str(tmp_path / "store"), est["projected_bytes"], ignore=True)["free_bytes"] > 0
 
 
 def test_estimate_projects_wall_time_shards_manifest_and_driver_memory(tiny_target, tmp_path, capsys):
@@ -261,15 +263,15 @@ def test_estimate_projects_wall_time_shards_manifest_and_driver_memory(tiny_targ
                     "capture.estimate_generate_tokens_per_s=2000", "data.num_engines=8", "capture.shard_samples=64",
                     "data.shard_size=32"])
     corpus = {"samples": 88_000, "tokens": 88_000_000, "answer_tokens": 44_000_000}
-    p = capture.projection(kimi, 88_000_000, corpus, measured_tps=None)
-    assert p["shards"] == 1375 + 1 and p["manifest_bytes"] == 1376 * capture.MANIFEST_ROW_BYTES
-    assert p["driver_bytes"] == 1376 * capture.DRIVER_BYTES_PER_SHARD + 32 * 1000 * capture.PY_BYTES_PER_TOKEN
+    p = capture_sizing.projection(kimi, 88_000_000, corpus, measured_tps=None)
+    assert p["shards"] == 1375 + 1 and p["manifest_bytes"] == 1376 * capture_sizing.MANIFEST_ROW_BYTES
+    assert p["driver_bytes"] == 1376 * capture_sizing.DRIVER_BYTES_PER_SHARD + 32 * 1000 * capture_sizing.PY_BYTES_PER_TOKEN
     assert p["capture_hours"] == round(88e6 / (5000 * 8) / 3600, 2) == 0.61
     assert p["capture_tokens_per_s_from"] == "config"
     assert p["generate_answer_tokens"] == 44_000_000 and p["generate_hours"] == 0.76
     # Without a configured rate, the last capture's measured per-actor rate; without either, unknown.
     plain = compose(["target=kimi_k25_int4", "capture.shard_samples=64"])
-    measured = capture.projection(plain, 88_000_000, corpus, measured_tps=4000.0)
+    measured = capture_sizing.projection(plain, 88_000_000, corpus, measured_tps=4000.0)
     assert measured["capture_hours"] == round(88e6 / 4000 / 3600, 2) and measured["generate_hours"] is None
     assert measured["capture_tokens_per_s_from"] == "capture/summary.json"
     # The command: no corpus here, so tokens come from capture.estimate_tokens.
@@ -299,7 +301,7 @@ def test_the_capture_stage_on_sglang_uses_one_engine_per_actor_and_one_forward(t
     capture.run(cfg, tiny_target)
     summary = json.loads((run_dir / "capture" / "summary.json").read_text())
     (actor,) = summary["per_actor"].values()
-    n_shards = len(capture.plan_shards(corpus_rows(run_dir), 3)[0])
+    n_shards = len(capture_plan.plan_shards(corpus_rows(run_dir), 3)[0])
     assert summary["verify_ok"] and actor["shards"] == n_shards > 2 * cfg.capture.shards_per_call  # several calls
     assert (actor["engine_starts"], actor["final_state"]) == (1, "runner")
     reader = StoreReader(str(run_dir / "store"))

@@ -11,6 +11,7 @@ import tracemalloc
 import pytest
 
 from workflows.capture import stage as capture
+from workflows.capture import plan as capture_plan
 from workflows.capture.writer import CorpusFiles
 from workflows.core.config import compose
 from workflows.core.layout import RunLayout
@@ -54,8 +55,8 @@ def peak_bytes(fn) -> tuple[int, object]:
 def dispatch(layout: RunLayout, out):
     """What the capture driver does before Ray Data starts: plan the corpus, select the
     shards to do (here all of them), hand Ray Data a file of shard refs."""
-    plans, _, corpus_sha, plan_file = capture.plan_corpus(layout, SHARD_SAMPLES, out)
-    todo = capture.select_plans(plan_file, {name for name, _ in plans}, out / "pending.parquet")
+    plans, _, corpus_sha, plan_file = capture_plan.plan_corpus(layout, SHARD_SAMPLES, out)
+    todo = capture_plan.select_plans(plan_file, {name for name, _ in plans}, out / "pending.parquet")
     return plans, corpus_sha, todo
 
 
@@ -96,7 +97,7 @@ def test_capture_dispatch_memory_does_not_grow_with_the_corpus(tiny_target, tmp_
         by_id = {r["id"]: r for r in layout.read_corpus() if r["id"] in ref.sample_ids}
         assert loaded.input_ids == [by_id[i]["input_ids"] for i in ref.sample_ids]
         # The same corpus planned from memory (the list API) gives the same hash and names.
-        same, _, same_sha = capture.plan_shards(layout.read_corpus(), SHARD_SAMPLES)
+        same, _, same_sha = capture_plan.plan_shards(layout.read_corpus(), SHARD_SAMPLES)
         assert same_sha == corpus_sha and [p.name for p in same] == [name for name, _ in plans]
     small, large = sizes
     print(f"driver peak: new {new[small]} -> {new[large]} B, old {old[small]} -> {old[large]} B; "

@@ -19,22 +19,20 @@ Output: the store (`capture.store`, default `<run_dir>/store`) and `<run_dir>/ca
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-import shutil
 import socket
 import time
 import warnings
 from pathlib import Path
-from typing import Callable
 
 from eagle3.layer_ids import validate_capture_ids
 from eagle3.schema import ConfigError
-from storage.store import HiddenStateStore, sample_ids_hash
+from storage.store import HiddenStateStore
 from storage.verify import verify
-from storage.zarr_io import is_remote
+from workflows.capture.plan import plan_corpus, select_plans
+from workflows.capture.sizing import check_space, corpus_figures, estimate, measured_capture_tokens_per_s, projection
 from workflows.capture.writer import CorpusFiles, ShardRef, capture_and_write
 from workflows.core.cli import log
 from workflows.core.cluster import ensure_ray
@@ -53,108 +51,6 @@ from workflows.core.provenance import CAPTURE_CONTRACT, identity_for, store_prov
 from workflows.core.stage_metrics import StageMetrics
 from workflows.core.targets import check_checkpoint, prepare_for
 
-STATE_BYTES = 2  # bf16
-SPLITS = ("train", "heldout")  # the corpus's splits; capture shard names start with one
-
-
-def bytes_per_token(n_aux: int, hidden_size: int) -> int:
-    """aux + final states (bf16) + input id (int32) + loss mask (uint8)."""
-    return STATE_BYTES * (n_aux + 1) * hidden_size + 4 + 1
-
-
-def estimate(cfg: FullConfig, tokens: int) -> dict:
-    n_aux, h = len(cfg.target.capture_ids), cfg.target.hidden_size
-    per_token = bytes_per_token(n_aux, h)
-    return {"target": cfg.target.name, "num_layers": cfg.target.num_layers, "hidden_size": h,
-            "capture_layer_ids": cfg.target.capture_ids, "states_per_token": f"{n_aux} aux + final",
-            "bytes_per_token": per_token, "tokens": tokens, "projected_bytes": per_token * tokens,
-            "projected": f"{per_token * tokens / 1e12:.3f} TB ({per_token * tokens / 2**40:.3f} TiB)"}
-
-
-def check_space(dest: str, needed: int, ignore: bool) -> dict:
-    """Refuse to start when the destination's filesystem has less free space than needed."""
-    if is_remote(dest):
-        return {"free_bytes": None, "note": "object store: free space not checked"}
-    probe = Path(dest).resolve()
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if needed > free and not ignore:
-        raise ConfigError(
-            f"capture.store={dest}: the capture needs ~{needed / 1e9:.2f} GB but {probe} has {free / 1e9:.2f} GB "
-            "free; free space, choose another capture.store, or set capture.ignore_space=true"
-        )
-    return {"free_bytes": free, "needed_bytes": needed, "enough": needed <= free}
-
-
-class CorpusSamples:
-    """The committed generate shards as a re-iterable stream of samples, one file at a time:
-    id, split, input_ids, loss mask length, and where the sample is (file index, row)."""
-
-    def __init__(self, layout: RunLayout):
-        layout.require_done("generate")
-        self.layout = layout
-        self.files = sorted(int(m.name.split(".")[0]) for m in layout.corpus_shards.glob("*.done.json"))
-
-    def __iter__(self):
-        import pyarrow.compute as pc
-        import pyarrow.parquet as pq
-
-        for f in self.files:
-            t = pq.read_table(self.layout.corpus_shard_file(f), columns=["id", "split", "input_ids", "loss_mask"])
-            ids, splits, tokens = t["id"].to_pylist(), t["split"].to_pylist(), t["input_ids"].to_pylist()
-            mask_lengths = pc.list_value_length(t["loss_mask"]).to_pylist()
-            for r in range(t.num_rows):
-                yield {"id": ids[r], "split": splits[r], "input_ids": tokens[r], "loss_mask_len": mask_lengths[r],
-                       "file": f, "row": r}
-
-
-def plan_shards(samples, shard_samples: int, emit: Callable[[ShardRef], None] | None = None
-                ) -> tuple[list, dict, str]:
-    """Fixed groups of `shard_samples` samples of one split, in corpus order; names carry
-    their ids' hash. `samples` is iterated once per split (a list, or CorpusSamples: one
-    file in memory at a time). Returns (plans, skipped counts, corpus hash); with `emit`,
-    each ShardRef goes to it and `plans` keeps only (name, n_tokens), so the driver holds
-    no per-sample data."""
-    skipped = {"empty_sample": 0}
-    plans: list = []
-    h = hashlib.sha256()  # the corpus as captured: ids, lengths and tokens, in plan order
-    # Train and held-out samples go to separate shards named by their split, so that the
-    # trainer streams only its split's shards (and evaluates from the held-out ones).
-    for split in SPLITS:
-        group: list[dict] = []
-        index = 0
-
-        def flush():
-            nonlocal index
-            ids = [str(r["id"]) for r in group]
-            ref = ShardRef(name=f"{split}-{index:06d}-{sample_ids_hash(ids)[:8]}", sample_ids=ids,
-                           files=[r["file"] for r in group], rows=[r["row"] for r in group],
-                           n_tokens=sum(r["n"] for r in group))
-            if emit is None:
-                plans.append(ref)
-            else:
-                emit(ref)
-                plans.append((ref.name, ref.n_tokens))
-            index += 1
-            group.clear()
-
-        for k, r in enumerate(samples):
-            n_mask = r["loss_mask_len"] if "loss_mask_len" in r else len(r["loss_mask"])
-            if split == SPLITS[0]:  # checked and counted on the first pass only
-                if len(r["input_ids"]) != n_mask:
-                    raise InputError(f"corpus row {k} (id {r['id']!r}): field input_ids has {len(r['input_ids'])} "
-                                     f"tokens but loss_mask {n_mask}")
-                skipped["empty_sample"] += not r["input_ids"]
-            if not r["input_ids"] or r.get("split", "train") != split:
-                continue
-            h.update(f"{r['id']}:{len(r['input_ids'])}:{hash(tuple(r['input_ids']))}\n".encode())
-            group.append({"id": r["id"], "n": len(r["input_ids"]), "file": r.get("file", -1), "row": r.get("row", -1)})
-            if len(group) == shard_samples:
-                flush()
-        if group:
-            flush()
-    return plans, skipped, h.hexdigest()[:16]
 
 
 class CaptureActor:
@@ -218,67 +114,6 @@ def _metrics():
                 "tps": Gauge("eagle3_capture_tokens_per_s", "tokens/s of the last shard", tag_keys=("actor",))}
     except Exception:  # metrics are a convenience, never a reason to fail a capture
         return None
-
-
-PLAN_SCHEMA = (("name", "string"), ("sample_ids", "list<string>"), ("files", "list<int64>"),
-               ("rows", "list<int64>"), ("n_tokens", "int64"))
-
-
-def _plan_schema():
-    import pyarrow as pa
-
-    kinds = {"string": pa.string(), "int64": pa.int64(), "list<string>": pa.list_(pa.string()),
-             "list<int64>": pa.list_(pa.int64())}
-    return pa.schema([(name, kinds[kind]) for name, kind in PLAN_SCHEMA])
-
-
-class PlanFile:
-    """Shard refs streamed into a Parquet file as they are planned, a few hundred at a time."""
-
-    def __init__(self, path: Path, rows_per_group: int = 256):
-        import pyarrow.parquet as pq
-
-        self.path, self.rows_per_group, self.buffer = path, rows_per_group, []
-        self.writer = pq.ParquetWriter(path, _plan_schema())
-
-    def __call__(self, ref: ShardRef) -> None:
-        self.buffer.append(vars(ref))
-        if len(self.buffer) >= self.rows_per_group:
-            self.flush()
-
-    def flush(self) -> None:
-        import pyarrow as pa
-
-        if self.buffer:
-            self.writer.write_table(pa.Table.from_pylist(self.buffer, schema=_plan_schema()))
-            self.buffer = []
-
-    def close(self) -> None:
-        self.flush()
-        self.writer.close()
-
-
-def plan_corpus(layout: RunLayout, shard_samples: int, out: Path) -> tuple[list[tuple[str, int]], dict, str, Path]:
-    """Plan the committed corpus one generate shard at a time: the refs go to
-    `<out>/plan.parquet`; the driver keeps (name, n_tokens) per shard and the corpus hash."""
-    path = out / "plan.parquet"
-    sink = PlanFile(path)
-    try:
-        plans, skipped, corpus_sha = plan_shards(CorpusSamples(layout), shard_samples, emit=sink)
-    finally:
-        sink.close()
-    return plans, skipped, corpus_sha, path
-
-
-def select_plans(plan_file: Path, names: set[str], dest: Path) -> Path:
-    """The refs of `names` only (the shards still to do), as the Parquet file Ray Data reads."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(plan_file)
-    pq.write_table(table.filter(pc.is_in(table["name"], value_set=pa.array(sorted(names), pa.string()))), dest)
-    return dest
 
 
 class Results:
@@ -440,63 +275,3 @@ def capture_main(cfg: FullConfig) -> None:
     size["projection"] = projection(cfg, tokens, corpus, measured_capture_tokens_per_s(layout))
     print(json.dumps(size, indent=2))
 
-
-MANIFEST_ROW_BYTES = 300  # one committed shard's row (its commit-log JSON; manifest.parquet is smaller)
-DRIVER_BYTES_PER_SHARD = 250  # what the capture driver keeps per shard: (name, n_tokens), a Results entry
-PY_BYTES_PER_TOKEN = 36  # a token as a Python int in a list (the driver reads one generate file at a time)
-
-
-def corpus_figures(layout: RunLayout) -> dict | None:
-    """Samples, tokens and answer tokens of the finished generate stage here; None without one."""
-    if layout.done_key("generate") is None:
-        return None
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    samples = tokens = answers = 0
-    for f in CorpusSamples(layout).files:
-        t = pq.read_table(layout.corpus_shard_file(f), columns=["input_ids", "answer_tokens"])
-        samples += t.num_rows
-        tokens += int(pc.sum(pc.list_value_length(t["input_ids"])).as_py() or 0)
-        answers += int(pc.sum(t["answer_tokens"]).as_py() or 0)
-    return {"samples": samples, "tokens": tokens, "answer_tokens": answers}
-
-
-def measured_capture_tokens_per_s(layout: RunLayout) -> float | None:
-    """Mean tokens/s of one actor in this run folder's last capture (capture/summary.json)."""
-    path = layout.stage_dir("capture") / "summary.json"
-    if not path.exists():
-        return None
-    rates = [a["tokens_per_s"] for a in json.loads(path.read_text()).get("per_actor", {}).values()]
-    return sum(rates) / len(rates) if rates else None
-
-
-def projection(cfg: FullConfig, tokens: int, corpus: dict | None, measured_tps: float | None) -> dict:
-    """Projected wall time of generate and capture, shard count, manifest size and driver
-    memory for `tokens` corpus tokens; each figure names what it rests on."""
-    c, d = cfg.capture, cfg.data
-    per_sample = corpus["tokens"] / corpus["samples"] if corpus and corpus["samples"] else d.max_length
-    answer_fraction = corpus["answer_tokens"] / corpus["tokens"] if corpus and corpus["tokens"] else 1.0
-    shards = math.ceil(tokens / per_sample / c.shard_samples) + len(SPLITS) - 1  # a partial shard per split
-    capture_tps = c.estimate_capture_tokens_per_s or measured_tps
-    generate_tps = c.estimate_generate_tokens_per_s
-
-    def hours(work: float, rate: float | None, engines: int):
-        return None if rate is None else round(work / (rate * engines) / 3600, 2)
-
-    return {
-        "tokens_per_sample": round(per_sample, 1),
-        "tokens_per_sample_from": "corpus" if corpus else "data.max_length (no corpus: an upper bound)",
-        "shards": shards,
-        "manifest_bytes": shards * MANIFEST_ROW_BYTES,
-        "driver_bytes": shards * DRIVER_BYTES_PER_SHARD + int(d.shard_size * per_sample * PY_BYTES_PER_TOKEN),
-        "capture_tokens_per_s_per_actor": capture_tps,
-        "capture_tokens_per_s_from": "config" if c.estimate_capture_tokens_per_s else
-                                     ("capture/summary.json" if measured_tps else "unknown: set "
-                                      "capture.estimate_capture_tokens_per_s"),
-        "capture_hours": hours(tokens, capture_tps, c.actors),
-        "generate_answer_tokens": int(tokens * answer_fraction),
-        "answer_fraction_from": "corpus" if corpus else "none (every token counted as generated: an upper bound)",
-        "generate_tokens_per_s_per_engine": generate_tps,
-        "generate_hours": hours(tokens * answer_fraction, generate_tps, d.num_engines),
-    }

@@ -1,0 +1,107 @@
+"""What a capture will cost before it runs: store bytes, free space, and a projection of
+shards, driver memory and wall time (`capture.estimate_only`, and the check before a run)."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+from eagle3.schema import ConfigError
+from storage.zarr_io import is_remote
+from workflows.capture.plan import SPLITS, CorpusSamples
+from workflows.core.config import FullConfig
+from workflows.core.layout import RunLayout
+
+STATE_BYTES = 2  # bf16
+
+
+def bytes_per_token(n_aux: int, hidden_size: int) -> int:
+    """aux + final states (bf16) + input id (int32) + loss mask (uint8)."""
+    return STATE_BYTES * (n_aux + 1) * hidden_size + 4 + 1
+
+
+def estimate(cfg: FullConfig, tokens: int) -> dict:
+    n_aux, h = len(cfg.target.capture_ids), cfg.target.hidden_size
+    per_token = bytes_per_token(n_aux, h)
+    return {"target": cfg.target.name, "num_layers": cfg.target.num_layers, "hidden_size": h,
+            "capture_layer_ids": cfg.target.capture_ids, "states_per_token": f"{n_aux} aux + final",
+            "bytes_per_token": per_token, "tokens": tokens, "projected_bytes": per_token * tokens,
+            "projected": f"{per_token * tokens / 1e12:.3f} TB ({per_token * tokens / 2**40:.3f} TiB)"}
+
+
+def check_space(dest: str, needed: int, ignore: bool) -> dict:
+    """Refuse to start when the destination's filesystem has less free space than needed."""
+    if is_remote(dest):
+        return {"free_bytes": None, "note": "object store: free space not checked"}
+    probe = Path(dest).resolve()
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if needed > free and not ignore:
+        raise ConfigError(
+            f"capture.store={dest}: the capture needs ~{needed / 1e9:.2f} GB but {probe} has {free / 1e9:.2f} GB "
+            "free; free space, choose another capture.store, or set capture.ignore_space=true"
+        )
+    return {"free_bytes": free, "needed_bytes": needed, "enough": needed <= free}
+
+
+MANIFEST_ROW_BYTES = 300  # one committed shard's row (its commit-log JSON; manifest.parquet is smaller)
+DRIVER_BYTES_PER_SHARD = 250  # what the capture driver keeps per shard: (name, n_tokens), a Results entry
+PY_BYTES_PER_TOKEN = 36  # a token as a Python int in a list (the driver reads one generate file at a time)
+
+
+def corpus_figures(layout: RunLayout) -> dict | None:
+    """Samples, tokens and answer tokens of the finished generate stage here; None without one."""
+    if layout.done_key("generate") is None:
+        return None
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    samples = tokens = answers = 0
+    for f in CorpusSamples(layout).files:
+        t = pq.read_table(layout.corpus_shard_file(f), columns=["input_ids", "answer_tokens"])
+        samples += t.num_rows
+        tokens += int(pc.sum(pc.list_value_length(t["input_ids"])).as_py() or 0)
+        answers += int(pc.sum(t["answer_tokens"]).as_py() or 0)
+    return {"samples": samples, "tokens": tokens, "answer_tokens": answers}
+
+
+def measured_capture_tokens_per_s(layout: RunLayout) -> float | None:
+    """Mean tokens/s of one actor in this run folder's last capture (capture/summary.json)."""
+    path = layout.stage_dir("capture") / "summary.json"
+    if not path.exists():
+        return None
+    rates = [a["tokens_per_s"] for a in json.loads(path.read_text()).get("per_actor", {}).values()]
+    return sum(rates) / len(rates) if rates else None
+
+
+def projection(cfg: FullConfig, tokens: int, corpus: dict | None, measured_tps: float | None) -> dict:
+    """Projected wall time of generate and capture, shard count, manifest size and driver
+    memory for `tokens` corpus tokens; each figure names what it rests on."""
+    c, d = cfg.capture, cfg.data
+    per_sample = corpus["tokens"] / corpus["samples"] if corpus and corpus["samples"] else d.max_length
+    answer_fraction = corpus["answer_tokens"] / corpus["tokens"] if corpus and corpus["tokens"] else 1.0
+    shards = math.ceil(tokens / per_sample / c.shard_samples) + len(SPLITS) - 1  # a partial shard per split
+    capture_tps = c.estimate_capture_tokens_per_s or measured_tps
+    generate_tps = c.estimate_generate_tokens_per_s
+
+    def hours(work: float, rate: float | None, engines: int):
+        return None if rate is None else round(work / (rate * engines) / 3600, 2)
+
+    return {
+        "tokens_per_sample": round(per_sample, 1),
+        "tokens_per_sample_from": "corpus" if corpus else "data.max_length (no corpus: an upper bound)",
+        "shards": shards,
+        "manifest_bytes": shards * MANIFEST_ROW_BYTES,
+        "driver_bytes": shards * DRIVER_BYTES_PER_SHARD + int(d.shard_size * per_sample * PY_BYTES_PER_TOKEN),
+        "capture_tokens_per_s_per_actor": capture_tps,
+        "capture_tokens_per_s_from": "config" if c.estimate_capture_tokens_per_s else
+                                     ("capture/summary.json" if measured_tps else "unknown: set "
+                                      "capture.estimate_capture_tokens_per_s"),
+        "capture_hours": hours(tokens, capture_tps, c.actors),
+        "generate_answer_tokens": int(tokens * answer_fraction),
+        "answer_fraction_from": "corpus" if corpus else "none (every token counted as generated: an upper bound)",
+        "generate_tokens_per_s_per_engine": generate_tps,
+        "generate_hours": hours(tokens * answer_fraction, generate_tps, d.num_engines),
+    }
