@@ -54,6 +54,7 @@ GRIDS = {
         ("draft_vocab=2048", ["draft.draft_vocab_size=2048"]),
         ("lr=3e-4", ["train.optim.lr=3e-4"]),
         ("lr=2e-3", ["train.optim.lr=2e-3"]),
+        ("tokens=all", ["train.objective.tokens=all"]),
         ("init_head=target", ["draft.init_head=target"]),
         ("rope_theta=10000", ["draft.rope_theta=10000"]),
     ],

@@ -39,12 +39,19 @@ class ObjectiveConfig:
     # can never propose that token there (SpecForge masks them). Their accuracy still
     # counts as a miss.
     skip_unreachable: bool = False
+    # Which positions training scores: "answer" (the loss mask: the answers, as SpecForge)
+    # or "all" (every real token, the prompt's too, each labelled with the target's own
+    # distribution there: more positions per sample from the same data). Evaluation always
+    # scores the answers.
+    tokens: Literal["answer", "all"] = "answer"
 
     def validate(self, where: str = "objective") -> None:
         if self.kind not in OBJECTIVES:
             raise ConfigError(f"{where}.kind={self.kind!r} is not one of {list(OBJECTIVES)}")
         if self.normalise not in ("scored", "positions"):
             raise ConfigError(f"{where}.normalise={self.normalise!r} is not 'scored' or 'positions'")
+        if self.tokens not in ("answer", "all"):
+            raise ConfigError(f"{where}.tokens={self.tokens!r} is not 'answer' or 'all'")
 
 
 def acceptance_rate(log_q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -113,6 +113,38 @@ def test_objective_config_refuses_unknown_kinds():
         ObjectiveConfig(kind="mse").validate()
     with pytest.raises(ConfigError, match="normalise='tokens'"):
         ObjectiveConfig(normalise="tokens").validate()
+    with pytest.raises(ConfigError, match="objective.tokens='prompt' is not 'answer' or 'all'"):
+        ObjectiveConfig(tokens="prompt").validate()
+
+
+def test_training_on_all_tokens_scores_the_prompt_in_training_only():
+    """objective.tokens=all: training scores every row whose label is a real token of the
+    sample (prompt included); evaluation keeps scoring the answers (the loss mask)."""
+    from eagle3.target_head import TargetHead
+    from eagle3.training import forward_batch
+    from eagle3.ttt import NoiseConfig, TTTConfig
+
+    cfg = tiny_draft_config()
+    draft = random_draft(cfg, dtype=torch.float32)
+    head = TargetHead(torch.randn(97, 24))
+    t = 12
+    batch = {"input_ids": torch.randint(0, 97, (2, t)), "aux": torch.randn(2, t, 72), "final": torch.randn(2, t, 24),
+             "attention_mask": torch.ones(2, t, dtype=torch.long), "loss_mask": torch.zeros(2, t, dtype=torch.long)}
+    batch["attention_mask"][1, 9:] = 0  # row 1 is padded after 9 tokens
+    batch["loss_mask"][0, 7:] = 1
+    batch["loss_mask"][1, 5:9] = 1
+    ttt = TTTConfig(length=3, noise=NoiseConfig(kind="none"))
+    answer = forward_batch(draft, head, batch, ttt, train=True, objective=ObjectiveConfig())
+    every = forward_batch(draft, head, batch, ttt, train=True, objective=ObjectiveConfig(tokens="all"))
+    held = forward_batch(draft, head, batch, ttt, train=False, objective=ObjectiveConfig(tokens="all"))
+    assert torch.equal(answer.weights, step_weights(batch["loss_mask"], batch["attention_mask"], 3))
+    assert torch.equal(held.weights, answer.weights)
+    # By hand: row t, step j is scored when its label x_{t+2+j} is a real token.
+    want = torch.zeros(2, t, 3)
+    for b, n in ((0, 12), (1, 9)):
+        for j in range(3):
+            want[b, : max(0, n - 2 - j), j] = 1
+    assert torch.equal(every.weights, want)
 
 
 def test_horizon_keeps_the_long_runs_learning_rates():
