@@ -54,7 +54,7 @@ GRIDS = {
         ("draft_vocab=2048", ["draft.draft_vocab_size=2048"]),
         ("lr=3e-4", ["train.optim.lr=3e-4"]),
         ("lr=2e-3", ["train.optim.lr=2e-3"]),
-        ("tokens=all", ["train.objective.tokens=all"]),
+        ("tokens=answer", ["train.objective.tokens=answer"]),  # the loss mask only (SpecForge)
         ("init_head=target", ["draft.init_head=target"]),
         ("rope_theta=10000", ["draft.rope_theta=10000"]),
     ],
@@ -67,8 +67,10 @@ GRIDS = {
         ("skip_unreachable", ["train.objective.skip_unreachable=true"]),
         ("schedule=specforge", ["train.optim.warmup_steps=55", "train.optim.min_lr_ratio=0"]),
         ("positions=fixed", ["train.ttt.positions=fixed"]),
+        ("tokens=answer", ["train.objective.tokens=answer"]),
         ("all specforge", ["train.ttt.noise.kind=none", "train.optim.betas=[0.9,0.999]",
                            "train.objective.normalise=positions", "train.objective.skip_unreachable=true",
+                           "train.objective.tokens=answer",
                            "train.optim.warmup_steps=55", "train.optim.min_lr_ratio=0"]),
     ],
 }

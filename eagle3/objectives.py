@@ -39,11 +39,11 @@ class ObjectiveConfig:
     # can never propose that token there (SpecForge masks them). Their accuracy still
     # counts as a miss.
     skip_unreachable: bool = False
-    # Which positions training scores: "answer" (the loss mask: the answers, as SpecForge)
-    # or "all" (every real token, the prompt's too, each labelled with the target's own
-    # distribution there: more positions per sample from the same data). Evaluation always
-    # scores the answers.
-    tokens: Literal["answer", "all"] = "answer"
+    # Which positions training scores: "all" (every real token, the prompt's too, each
+    # labelled with the target's own distribution there: more positions per sample from
+    # the same data; the draft underfits, so this helps, see the README's ablations) or
+    # "answer" (the loss mask only, as SpecForge 0.2.0). Evaluation always scores the answers.
+    tokens: Literal["answer", "all"] = "all"
 
     def validate(self, where: str = "objective") -> None:
         if self.kind not in OBJECTIVES:

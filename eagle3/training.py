@@ -97,8 +97,9 @@ def forward_batch(draft, head: TargetHead, batch: dict, ttt: TTTConfig, train: b
     hiddens = unroll(draft, batch["input_ids"], aux, batch["attention_mask"], ttt.length,
                      position_ids=batch.get("position_ids"), segment_ids=segments, attention=ttt.attention,
                      shift_positions=ttt.positions == "shifted")
+    objective = objective or ObjectiveConfig()
     scored = batch["loss_mask"]
-    if train and objective is not None and objective.tokens == "all":
+    if train and objective.tokens == "all":
         scored = batch["attention_mask"]  # the prompt's positions too (ObjectiveConfig.tokens)
     weights = step_weights(scored, batch["attention_mask"], ttt.length, segment_ids=segments)
     return score_steps(draft, hiddens, probs, best, weights, ttt.decay, objective,

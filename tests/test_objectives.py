@@ -134,7 +134,8 @@ def test_training_on_all_tokens_scores_the_prompt_in_training_only():
     batch["loss_mask"][0, 7:] = 1
     batch["loss_mask"][1, 5:9] = 1
     ttt = TTTConfig(length=3, noise=NoiseConfig(kind="none"))
-    answer = forward_batch(draft, head, batch, ttt, train=True, objective=ObjectiveConfig())
+    assert ObjectiveConfig().tokens == "all"  # the default (README: ablations)
+    answer = forward_batch(draft, head, batch, ttt, train=True, objective=ObjectiveConfig(tokens="answer"))
     every = forward_batch(draft, head, batch, ttt, train=True, objective=ObjectiveConfig(tokens="all"))
     held = forward_batch(draft, head, batch, ttt, train=False, objective=ObjectiveConfig(tokens="all"))
     assert torch.equal(answer.weights, step_weights(batch["loss_mask"], batch["attention_mask"], 3))

@@ -69,3 +69,14 @@ def test_an_sglang_actor_holds_exactly_its_tp_group(override, field):
         compose(["+experiment=kimi_k25", "capture.gpus_per_actor=0"])
     # The HF backend runs on one GPU of its actor, whatever the TP size of the preset.
     compose(["+experiment=kimi_k25", "capture.backend=hf", "capture.gpus_per_actor=1"])
+
+
+def test_specforge_train_preset_has_specforge_settings():
+    """train=specforge: SpecForge 0.2.0's settings, the answers' positions only among them,
+    while the project's default scores every position (README: ablations)."""
+    t = compose(["train=specforge"]).train
+    assert (t.ttt.noise.kind, tuple(t.optim.betas)) == ("none", (0.9, 0.999))
+    o = t.objective
+    assert (o.kind, o.normalise, o.skip_unreachable, o.tokens) == ("soft_ce", "positions", True, "answer")
+    assert (t.optim.warmup_steps, t.optim.min_lr_ratio) == (55, 0.0)
+    assert compose([]).train.objective.tokens == "all"
