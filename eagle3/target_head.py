@@ -46,3 +46,21 @@ class TargetHead(nn.Module):
             argmax.append((x @ w.T).argmax(-1))
             probs.append(torch.softmax((x @ w_draft.T).float(), dim=-1))
         return torch.cat(probs).view(b, t, -1), torch.cat(argmax).view(b, t)
+
+    @torch.no_grad()
+    def token_probs(self, final: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                    chunk: int = 2048) -> torch.Tensor:
+        """The target's probability of `tokens` [B, T] (target ids) under softmax(logits /
+        temperature) over its whole vocabulary, from the final state at the same positions
+        -> [B, T] fp32. Chunked like forward()."""
+        b, t, h = final.shape
+        flat, ids = final.reshape(-1, h), tokens.reshape(-1)
+        out = []
+        for s in range(0, flat.shape[0], chunk):
+            x = flat[s : s + chunk]
+            if self.final_norm is not None:
+                x = self.final_norm(x)
+            logp = torch.log_softmax((x.to(self.weight.dtype) @ self.weight.T).float() / temperature, dim=-1)
+            out.append(logp.gather(-1, ids[s : s + chunk, None].long()).squeeze(-1).exp())
+        return torch.cat(out).view(b, t)
+

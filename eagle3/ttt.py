@@ -197,3 +197,26 @@ def score_steps(draft: Eagle3Draft, hiddens, target_probs, target_argmax, weight
         loss=total, step_loss_t=torch.stack(step_loss), step_acc_t=torch.stack(step_acc),
         step_alpha_t=torch.stack(step_alpha), correct=torch.stack(correct, dim=-1), weights=weights,
     )
+
+
+@torch.no_grad()
+def acceptance_rates_at(draft: Eagle3Draft, head, batch: dict, length: int, temperature: float) -> tuple[
+        torch.Tensor, torch.Tensor]:
+    """Per TTT step j, the summed chance that a sampling verifier at `temperature` accepts
+    the draft's own guess, and the count of scored positions -> ([L], [L]).
+
+    SGLang and vLLM draft deterministically (the draft's top tokens), and a deterministic
+    guess y is accepted with the target's probability of y at the serving temperature
+    (eagle3.spec_decode.SpeculativeDecoder); here y is step j's argmax at row t, scored
+    against the target at t+1+j, over the rows `step_weights` scores (the answers)."""
+    hiddens = unroll(draft, batch["input_ids"], batch["aux"], batch["attention_mask"], length,
+                     position_ids=batch.get("position_ids"), segment_ids=batch.get("segment_ids"))
+    weights = step_weights(batch["loss_mask"], batch["attention_mask"], length, segment_ids=batch.get("segment_ids"))
+    sums, counts = [], []
+    for j, hidden in enumerate(hiddens):
+        guess = draft.draft_to_target(draft.logits(hidden).argmax(-1))
+        p = head.token_probs(shift_left(batch["final"], 1 + j), guess, temperature)
+        w = weights[..., j]
+        sums.append((p * w).sum()), counts.append(w.sum())
+    return torch.stack(sums), torch.stack(counts)
+

@@ -35,3 +35,13 @@ def device():
     import torch
 
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(scope="session")
+def memorised(tiny_target, tmp_path_factory):
+    """A draft of the tiny target that has learnt its answers to 8 prompts (acceptance near
+    the chain's cap), exported for SGLang and vLLM, with the reference decoder's figures
+    (tests.helpers.memorising_draft; ~30 s)."""
+    from tests.helpers import memorising_draft
+
+    return memorising_draft(tiny_target, tmp_path_factory.mktemp("memorised"))

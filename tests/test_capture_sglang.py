@@ -28,14 +28,14 @@ def test_sglang_states_equal_hfs_by_either_final_state_method(tiny_target, metho
     engine = make_engine("sglang", spec)
     got = engine.states(seqs)
     assert (engine.final_method, engine.engine_starts) == (method, 1)
-    tol = 1e-4 if dtype == "float32" else 2e-2
     for (sa, sf), (ha, hf_) in zip(got, make_engine("hf", spec).states(seqs)):
         assert sa.shape == ha.shape == (sa.shape[0], 3 * 64) and sf.shape == hf_.shape
         assert sa.dtype == sf.dtype == (torch.bfloat16 if (method, dtype) == ("runner", "bfloat16") else torch.float32)
-        torch.testing.assert_close(sa.float(), ha.float(), atol=tol, rtol=tol)
         if dtype == "float32":
+            torch.testing.assert_close(sa, ha.float(), atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(sf, hf_.float(), atol=5e-4, rtol=1e-4)
-        else:  # two bf16 stacks' rounding, six layers deep: close as a whole (1-2% here)
+        else:  # two bf16 stacks' rounding, layers deep: close as a whole (1-1.5% here), not element by element
+            assert (sa.float() - ha.float()).norm() / ha.float().norm() < 0.02
             assert (sf.float() - hf_.float()).norm() / hf_.float().norm() < 0.03
     engine.bare_forward(seqs)  # the benchmark's baseline on the same engine
     if method == "runner":  # a sequence longer than the KV pool (4096 tokens on CPU) is refused, by name

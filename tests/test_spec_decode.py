@@ -235,9 +235,10 @@ def test_sglang_mode_decodes_losslessly(target):
 
 def test_evaluate_decodes_with_the_mode_and_reports_both_figures(target, monkeypatch):
     import workflows.evaluate as evaluate
+    from workflows.evaluate import decoding
 
-    modes, real = [], evaluate.Eagle3Drafter
-    monkeypatch.setattr(evaluate, "Eagle3Drafter", lambda d, sglang_compatible=False: (
+    modes, real = [], decoding.Eagle3Drafter
+    monkeypatch.setattr(decoding, "Eagle3Drafter", lambda d, sglang_compatible=False: (
         modes.append(sglang_compatible), real(d, sglang_compatible))[1])
     draft = random_draft(tiny_draft_config(target_hidden_size=24), seed=4)
     p = prompts(1, seed=9)[0]
@@ -258,3 +259,43 @@ def test_evaluate_decodes_with_the_mode_and_reports_both_figures(target, monkeyp
     assert "| acceptance decoded (tokens per target pass) | 1.600 |" in md
     assert ("| acceptance decoded with SGLang's tree-draft attention (frontier-rank KV slots): tokens per pass / "
             "SGLang's definition / lossless | 1.250 / 1.375 / True |") in md
+
+
+@pytest.mark.parametrize("topk, ndt", [(1, 4), (2, 6)], ids=["chain", "tree"])
+def test_speculative_sampling_is_distributed_as_sampling_from_the_target(target, topk, ndt):
+    """At temperature 0.2 (this random target is flat: its top token has 0.3 at 0.3) the
+    decoder's first three tokens, over 600 seeded runs, follow the target's own sampling
+    distribution (chi-square over the cells expected 5 times or more, the rest pooled); the
+    drafts (the greedy continuation, with a wrong sibling first in the tree) are accepted
+    often enough to matter."""
+    from scipy.stats import chisquare
+
+    temperature, runs, p = 0.2, 600, prompts(1, seed=5)[0]
+    ref, _ = greedy_decode(target, p, 4)
+    g = torch.Generator().manual_seed(0)
+    dec = SpeculativeDecoder(target, OracleDrafter(p + ref, True), LAYERS, 3, topk, ndt, temperature=temperature,
+                             generator=g)
+    counts, accepted = {}, 0
+    for _ in range(runs):
+        res = dec.generate(p, 3)
+        counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
+        accepted += res.accepted_uncut
+    assert accepted > runs / 3, accepted  # speculation is exercised, not bypassed
+
+    @torch.no_grad()
+    def next_probs(prefix):
+        return torch.softmax(target(torch.tensor([prefix])).logits[0, -1] / temperature, -1)
+
+    def exact(seq):
+        prob, prefix = 1.0, list(p)
+        for t in seq:
+            prob *= float(next_probs(prefix)[t])
+            prefix.append(t)
+        return prob
+
+    expected = {seq: runs * exact(seq) for seq in counts}
+    kept = [seq for seq, e in expected.items() if e >= 5]
+    observed = [counts[s] for s in kept] + [runs - sum(counts[s] for s in kept)]
+    wanted = [expected[s] for s in kept] + [runs - sum(expected[s] for s in kept)]
+    assert len(kept) >= 5 and wanted[-1] >= 5
+    assert chisquare(observed, wanted).pvalue > 1e-3, (observed, wanted)

@@ -28,7 +28,8 @@ def tiny_cfg(tiny_target, run_dir, *extra):
         "target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={run_dir}", "mixture=bundled",
         "data.limit=16", "data.max_new_tokens=24", "data.heldout_fraction=0.25",
         "train.steps=12", "train.checkpoint_every=4", "train.log_every=4", "train.batch_size=4",
-        "train.optim.lr=3e-3", "train.compute_dtype=float32", *FP32, *extra,
+        # The served check (engine starts) only where it is the subject: tests/test_evaluate.py.
+        "train.optim.lr=3e-3", "train.compute_dtype=float32", "evaluate.served=none", *FP32, *extra,
     )
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from eagle3.draft_config import DraftConfig
-from eagle3.layer_ids import check_sglang_servable
+from eagle3.layer_ids import check_sglang_servable, to_vllm_aux_layer_ids
 from workflows.core import wiring
 from workflows.core.cli import log, stage_main
 from workflows.core.config import FullConfig
@@ -33,6 +33,9 @@ from workflows.core.markers import atomic_dir, clear_done, mark_done, stage_is_d
 from workflows.core.provenance import identity_for
 
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
+# 2: the vLLM export names its capture ids in vLLM's numbering (format 1 wrote the project's,
+# one layer off in vLLM); in the stage's key, so an export of the older format is redone.
+EXPORT_FORMAT = 2
 WEIGHTS = "model.safetensors"
 
 
@@ -108,12 +111,16 @@ def speculators_available() -> bool:
 
 
 def export_vllm(sglang_dir: Path, out: Path, target_path: Path, capture_ids: list[int]) -> Path:
-    """The speculators layout, by speculators' own converter; it re-loads the result."""
+    """The speculators layout, by speculators' own converter; it re-loads the result. The
+    capture ids go in vLLM's numbering (id i is index i + 1, `to_vllm_aux_layer_ids`):
+    written as ours, vLLM would feed the draft the outputs of the layers below the ones
+    it was trained on, a silent loss of acceptance."""
     from speculators.convert.eagle.eagle3_converter import Eagle3Converter
 
     with atomic_dir(out) as tmp:
         Eagle3Converter().convert(input_path=sglang_dir, output_path=tmp, base_model=str(target_path),
-                                  validate=True, eagle_aux_hidden_state_layer_ids=list(capture_ids))
+                                  validate=True,
+                                  eagle_aux_hidden_state_layer_ids=to_vllm_aux_layer_ids(capture_ids))
         write_json_atomic(tmp / "provenance.json", load_provenance(sglang_dir))
     return out
 
@@ -121,7 +128,8 @@ def export_vllm(sglang_dir: Path, out: Path, target_path: Path, capture_ids: lis
 def run(cfg: FullConfig, target_path: Path) -> Path:
     layout = RunLayout.of(cfg)
     out = layout.stage_dir("export")
-    key = {"target": identity_for(cfg, target_path), "dtype": cfg.target.dtype, **layout.chain("train")}
+    key = {"target": identity_for(cfg, target_path), "dtype": cfg.target.dtype, "format": EXPORT_FORMAT,
+           **layout.chain("train")}
     if stage_is_done(out, key):
         log(f"export: reusing {out}")
         return out

@@ -24,6 +24,7 @@ from workflows.capture.stage import run as capture
 from workflows.core.cli import hydra_entry, log
 from workflows.core.config import FullConfig
 from workflows.core.layout import RunLayout
+from workflows.core.serving import verdict
 from workflows.core.targets import prepare_for
 from workflows.generate.stage import run as generate
 from workflows.train.stage import run as train
@@ -57,6 +58,15 @@ def run(cfg: FullConfig) -> dict:
     return outputs
 
 
+def why_not_lossless(report: dict) -> str:
+    found = report.get("divergences") or []
+    if not found:
+        return ""
+    ties = sum(d["kind"] == "numerical tie" for d in found)
+    return (f" ({ties} of {len(found)} divergent prompts numerical ties in {found[0]['dtype']}, "
+            f"{len(found) - ties} defects: see the report)")
+
+
 def headline(cfg: FullConfig) -> list[str]:
     """The report's headline, the exported draft and how to serve exactly what was evaluated."""
     layout = RunLayout.of(cfg)
@@ -64,11 +74,13 @@ def headline(cfg: FullConfig) -> list[str]:
     if layout.done_key("evaluate") is None or not report.is_file():
         return []
     r = json.loads(report.read_text())
+    served = [verdict({"engine_name": engine, **c}) for engine, c in r.get("served", {}).items() if "skipped" not in c]
     return [
         f"acceptance: offline {r['acceptance_offline']:.3f}, decoded {r['acceptance_decoded']:.3f} "
         f"(SGLang's definition {r['acceptance_decoded_sglang_definition']:.3f}), parity "
-        f"{r['parity_ratio']:.3f}, lossless {r['lossless']}, speed-up {r['speedup_decoded']:.2f} "
-        f"(reference decoder, {r['dtype']}); {layout.stage_dir('evaluate') / 'report.md'}",
+        f"{r['parity_ratio']:.3f}, lossless {r['lossless']}{why_not_lossless(r)}, speed-up {r['speedup_decoded']:.2f} "
+        f"(reference decoder, {r['dtype']}); {layout.stage_dir('evaluate') / 'report.md'}"
+        + "".join(f"; served by {v}" for v in served),
         f"draft: {layout.sglang_export if layout.done_key('export') else layout.draft_dir}",
         f"serve it as evaluated ({' '.join(r['serve_args'])}): python -m workflows.tools.serve "
         f"target={cfg.target.name} run_dir={layout.root} serve.launch=true",

@@ -264,7 +264,7 @@ class ServeSection:
     draft_path: str | None = None  # null: <run_dir>/export/sglang
     host: str = "127.0.0.1"
     port: int = 30000
-    cpu: bool = False  # SGLang's CPU fallbacks (tests; EAGLE-3 serving itself needs a GPU)
+    cpu: bool = False  # SGLang on a CPU: its CPU engine and the shim's EAGLE-3 path (tests, laptops)
     launch: bool = False  # false: print the command only
     extra_args: list[str] = field(default_factory=list)
 
@@ -293,10 +293,28 @@ class EvaluateSection:
     # report (workflows.evaluate.evaluation_dtype); float32 or bfloat16 force one.
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     length_buckets: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
+    # The served check (workflows.core.serving): the exported draft served by the real engine
+    # with the report's drafting, dtype and prompts, its own acceptance figure beside the
+    # prediction. auto: every engine this machine has (SGLang; vLLM where `make setup` made
+    # .venv-vllm or evaluate.vllm_python has it), a missing one noted in the report; naming
+    # one makes it required; none: skip.
+    served: Literal["auto", "sglang", "vllm", "none"] = "auto"
+    # Acceptance where the target samples (users serve at 0.6-1.0): above 0 the report adds the
+    # offline expectation and the reference decoder sampling once per seed, with an interval,
+    # and the served check serves at it too. 0: greedy only.
+    temperature: float = 0.0
+    seeds: list[int] = field(default_factory=lambda: [0, 1])
+    served_device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA where torch sees a GPU
+    served_tolerance: float = 0.02  # served / predicted further than this from 1 is flagged
+    served_timeout_s: float = 1800.0  # each engine's start and run, together
+    vllm_python: str | None = None  # the interpreter that has vLLM (null: .venv-vllm, else this one)
 
     def validate(self, where: str = "evaluate") -> None:
         check_ranges(self, where, num_steps=">=1", topk=">=1", num_draft_tokens=">=2", tree_topk=">=0",
-                     tree_num_draft_tokens=">=2", max_prompts=">=1", max_new_tokens=">=1", length_buckets=">=1")
+                     tree_num_draft_tokens=">=2", max_prompts=">=1", max_new_tokens=">=1", length_buckets=">=1",
+                     served_tolerance="(0,1)", served_timeout_s=">0", temperature="[0,2]")
+        if not self.seeds:
+            raise ConfigError(f"{where}.seeds is empty: sampling at {where}.temperature needs at least one seed")
         if self.length_buckets != sorted(set(self.length_buckets)) or not self.length_buckets:
             raise ConfigError(f"{where}.length_buckets={self.length_buckets} must be a non-empty ascending list")
 

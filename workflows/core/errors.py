@@ -18,4 +18,9 @@ class MissingArtefact(ConfigError):
     """An upstream artefact is missing: names it and the stage that makes it."""
 
 
-USER_ERRORS = (ConfigError, TemplateError, StoreError, InputError)
+class ServingError(RuntimeError):
+    """A serving engine could not serve a draft (it failed to start, died, or ran out of
+    time): names the engine, the draft and how it ended, with the end of its log."""
+
+
+USER_ERRORS = (ConfigError, TemplateError, StoreError, InputError, ServingError)

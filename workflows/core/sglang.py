@@ -56,10 +56,25 @@ def engine_kwargs(spec: EngineSpec, **extra) -> dict:
     return kw
 
 
-def server_cpu_args(dtype: str = "float32", max_total_tokens: int = 4096) -> list[str]:
+# EAGLE-3 speculative decoding on a CPU: SGLang's CPU engine, with the stand-ins of
+# workflows/sglang_cpu_shim for what its EAGLE path lacks there (the Intel build's kernels,
+# torch_native draft and verify attention; they load through the shim's sitecustomize),
+# torch.compile off (tens of seconds of compiling, nothing gained on a small model), and
+# room in the memory plan for the draft's KV pool (0.05 is not enough once it is loaded).
+SPECULATIVE_CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "TORCHDYNAMO_DISABLE": "1"}
+SPECULATIVE_CPU_SETTINGS = {**CPU_SETTINGS, "mem_fraction_static": 0.2}
+
+
+def cpu_env(env: dict, speculative: bool = False) -> dict:
+    """`env` for a CPU SGLang process: the shim on its path, and with a draft the settings above."""
+    return {**with_shim(env), **(SPECULATIVE_CPU_ENV if speculative else {})}
+
+
+def server_cpu_args(dtype: str = "float32", max_total_tokens: int = 4096, speculative: bool = False) -> list[str]:
     """`sglang.launch_server` flags for the same CPU settings."""
     args = []
-    for key, value in {**CPU_SETTINGS, "max_total_tokens": max_total_tokens, "dtype": dtype}.items():
+    settings = SPECULATIVE_CPU_SETTINGS if speculative else CPU_SETTINGS
+    for key, value in {**settings, "max_total_tokens": max_total_tokens, "dtype": dtype}.items():
         flag = "--" + key.replace("_", "-")
         args += [flag] if value is True else [flag, str(value)]
     return args

@@ -18,7 +18,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3.layer_ids import CONVENTION, from_sglang_layer_inputs, sglang_default_layer_inputs, sglang_layer_inputs
+from eagle3.layer_ids import (CONVENTION, from_sglang_layer_inputs, from_vllm_aux_layer_ids, sglang_default_layer_inputs,
+                              sglang_layer_inputs)
 from eagle3.schema import ConfigError
 from eagle3.vocab import target_ids_of
 from storage.store import HiddenStateStore
@@ -193,7 +194,14 @@ def side_from_sglang_export(folder: Path, target_num_layers: int | None = None,
 def side_from_vllm_export(folder: Path) -> Side:
     cfg = read_json(folder / "config.json")
     side = Side(f"vLLM/speculators export ({folder})")
-    set_capture_ids(side, cfg.get("eagle_aux_hidden_state_layer_ids"), CONVENTION)
+    indices = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if indices is not None:  # vLLM's numbering: index L = the input of layer L (layer_ids.to_vllm_aux_layer_ids)
+        set_capture_ids(side, from_vllm_aux_layer_ids(indices), CONVENTION)
+        side.stated["capture_layer_ids"] = (f"vLLM's eagle_aux_hidden_state_layer_ids={list(indices)}, "
+                                            "index L = the input of layer L")
+    else:
+        side.errors.append(f"{side.name}: config.json has no eagle_aux_hidden_state_layer_ids (vLLM would capture "
+                           "its default layers)")
     layer = cfg.get("transformer_layer_config", {})
     side.facts.update({"target_hidden_size": cfg.get("target_hidden_size") or layer.get("hidden_size"),
                        "target_vocab_size": layer.get("vocab_size"), "draft_vocab_size": cfg.get("draft_vocab_size"),

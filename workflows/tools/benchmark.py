@@ -2,6 +2,11 @@
 
     python -m workflows.tools.benchmark --url http://127.0.0.1:30000 --prompts data/prompts/default.jsonl \
         --concurrency 1 8 --runs 3 --max-new-tokens 2048 --out runs/x/benchmark/benchmark.json
+    python -m workflows.tools.benchmark --prompts runs/x/report/prompts.jsonl --concurrency 1 --runs 8 --warmup 0
+
+The second reads the report's 8 prompts (token ids and budgets, as the evaluate stage
+served them), one per timed run: against `workflows.tools.serve` its accept length is the
+report's served figure.
 
 Each timed run sends `concurrency` requests at once (prompts taken round-robin) and
 divides the completion tokens by the wall time of the slowest; warmup runs go first and
@@ -51,12 +56,18 @@ def wait_healthy(url: str, timeout_s: float = 300, proc=None) -> None:
     raise TimeoutError(f"{url}/health did not answer within {timeout_s} s")
 
 
-def one_request(url: str, prompt: str, max_new_tokens: int, api: str, model: str | None,
+def one_request(url: str, prompt: str | dict, max_new_tokens: int, api: str, model: str | None,
                 ignore_eos: bool, timeout: float) -> dict:
-    """-> {completion_tokens, accept_length (or None), verify_passes (or None)}."""
+    """-> {completion_tokens, accept_length (or None), verify_passes (or None)}. A prompt is
+    a text, or {"input_ids": [...], "max_new_tokens": n} (the report's prompts.jsonl rows:
+    the same tokens, the same budget, hence the served check's figure)."""
     if api == "generate":
         params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": ignore_eos}
-        meta = _post(f"{url}/generate", {"text": prompt, "sampling_params": params}, timeout)["meta_info"]
+        body = {"text": prompt} if isinstance(prompt, str) else {"input_ids": prompt["input_ids"]}
+        if isinstance(prompt, dict) and prompt.get("max_new_tokens"):
+            params["max_new_tokens"] = int(prompt["max_new_tokens"])
+            params["stop_token_ids"] = list(prompt.get("stop_token_ids", []))
+        meta = _post(f"{url}/generate", {**body, "sampling_params": params}, timeout)["meta_info"]
         tokens = int(meta["completion_tokens"])
         verify = meta.get("spec_verify_ct")
         accept = meta.get("spec_accept_length")
@@ -64,7 +75,8 @@ def one_request(url: str, prompt: str, max_new_tokens: int, api: str, model: str
             accept = tokens / verify
         return {"completion_tokens": tokens, "accept_length": accept, "verify_passes": verify}
     if api == "openai":
-        body = {"model": model or "default", "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0}
+        text = prompt if isinstance(prompt, str) else prompt["input_ids"]  # the completions API takes token ids too
+        body = {"model": model or "default", "prompt": text, "max_tokens": max_new_tokens, "temperature": 0}
         if ignore_eos:
             body["ignore_eos"] = True  # SGLang's extension of the completions API
         reply = _post(f"{url}/v1/completions", body, timeout)
@@ -115,16 +127,27 @@ def run_benchmark(url: str, prompts: list[str], max_new_tokens: int = 2048, warm
                                 "included: the report's acceptance_decoded_sglang_definition is the same figure"}
 
 
-def read_prompt_texts(path: Path, limit: int) -> list[str]:
-    """Prompt texts from a JSONL file of {"prompt": ...} or {"messages": [...]} rows."""
+def read_prompt_texts(path: Path, limit: int) -> list[str | dict]:
+    """Prompts from a JSONL file of {"prompt": ...}, {"messages": [...]} or {"input_ids": [...]}
+    rows (the last as the evaluate stage writes them, report/prompts.jsonl, kept whole)."""
     texts = []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{path}:{n}: not a JSON line ({exc.msg})") from None
+        if isinstance(row.get("input_ids"), list):
+            if not row["input_ids"] or not all(isinstance(t, int) for t in row["input_ids"]):
+                raise InputError(f"{path}:{n}: 'input_ids' must be a non-empty list of token ids")
+            texts.append(row)
+            if len(texts) == limit:
+                break
+            continue
         text = row.get("prompt") or next((m.get("content") for m in row.get("messages", []) if m.get("role") == "user"), None)
         if not isinstance(text, str):
-            raise InputError(f"{path}:{n}: no 'prompt' string and no user message")
+            raise InputError(f"{path}:{n}: no 'prompt' string, no user message and no 'input_ids'")
         texts.append(text)
         if len(texts) == limit:
             break

@@ -32,7 +32,7 @@ from workflows.core.errors import MissingArtefact
 from workflows.core.layout import RunLayout
 from workflows.core.markers import read_json
 from workflows.core.provenance import REDACTED
-from workflows.core.sglang import server_cpu_args, speculative_args, with_shim
+from workflows.core.sglang import cpu_env, server_cpu_args, speculative_args
 
 ARCH_DEFAULTS = {"LlamaForCausalLM": (5, 4, 8), "Grok1ForCausalLM": (5, 4, 8), "Grok1VForCausalLM": (5, 4, 8)}
 OTHER_ARCH_DEFAULT = (3, 1, 4)
@@ -98,9 +98,10 @@ def launch_command(target_path: str, draft_path: str, effect: SpecEffect, tp_siz
         flags = speculative_args(effect.num_steps, effect.topk, effect.num_draft_tokens)
         argv += flags[:2] + ["--speculative-draft-model-path", str(draft_path)] + flags[2:]
     environment = {k: str(v) for k, v in (env or {}).items()}
-    if cpu:
-        argv += server_cpu_args()
-        environment["PYTHONPATH"] = with_shim({"PYTHONPATH": os.environ.get("PYTHONPATH", "")})["PYTHONPATH"]
+    if cpu:  # SGLang's CPU settings, and with a draft its CPU EAGLE path (workflows.core.sglang)
+        argv += server_cpu_args(speculative=speculative)
+        shimmed = cpu_env({"PYTHONPATH": os.environ.get("PYTHONPATH", "")}, speculative)
+        environment.update(shimmed)
     argv += list(extra_args or [])
     return argv, environment
 

