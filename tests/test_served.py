@@ -26,9 +26,9 @@ PREDICTED = {"sglang": "acceptance_sglang", "vllm": "acceptance_vllm"}
 
 # SGLang's chain on this draft: through its HTTP server in tests/test_serve.py; both engines'
 # chains on a draft of the pipeline, greedy and sampled, through the evaluate stage in
-# tests/test_evaluate.py (each engine start costs ~30-45 s here, so none is repeated).
-@pytest.mark.parametrize("engine, topk, num_draft_tokens", [("sglang", 2, 6), ("vllm", 1, 4)],
-                         ids=["sglang-tree", "vllm-chain"])
+# tests/test_evaluate.py, and vLLM's on this draft below, mis-wired (each engine start costs
+# ~30-45 s here, so none is repeated).
+@pytest.mark.parametrize("engine, topk, num_draft_tokens", [("sglang", 2, 6)], ids=["sglang-tree"])
 def test_the_engine_serves_the_draft_as_predicted(memorised, tiny_target, engine, topk, num_draft_tokens):
     reference = memorised["chain" if topk == 1 else "tree"]  # the tree drafted with SGLang's draft attention
     predicted = reference[PREDICTED[engine]]
@@ -66,5 +66,6 @@ def test_a_draft_served_on_the_wrong_layers_falls_below_its_prediction(memorised
     check = served_check(job(memorised, tiny_target, engine, folder=folder), memorised["greedy"], predicted,
                          PREDICTED[engine], tolerance=0.02)
     assert check["identical_to_greedy"] == 8  # still lossless: only the drafts are worse
+    assert check["predicted"] > 3.5  # against a strong draft's prediction (3.94 for vLLM's counters)
     assert check["served_over_predicted"] < 0.85 and not check["matches_prediction"], check
     assert "BELOW PREDICTION by more than 2%" in verdict(check) and "workflows.tools.doctor" in verdict(check)

@@ -24,13 +24,13 @@ SHIM = ROOT / "workflows" / "sglang_cpu_shim"
 
 def test_the_cpu_ops_do_what_sglangs_own_kernels_do():
     env = {**os.environ, "TRITON_INTERPRET": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "sglang_kernel_parity.py"), "60"], env=env,
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "sglang_kernel_parity.py"), "30"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     # Both mask layouts per case; trees of 1-3 requests, topk 1-3, 1-4 steps; paths accepted.
-    assert counts == {**counts, "build_tree": 120, "verify_tree_greedy": 60, "pool_ops": 60, "kv_copy": 60}
-    assert counts["accepted_tokens"] > 60
+    assert counts == {**counts, "build_tree": 60, "verify_tree_greedy": 30, "pool_ops": 30, "kv_copy": 30}
+    assert counts["accepted_tokens"] > 30
 
 
 @contextmanager
