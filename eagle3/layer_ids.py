@@ -77,12 +77,9 @@ def to_vllm_aux_layer_ids(ids: Sequence[int]) -> list[int]:
     layer's output, before the final norm; `_maybe_add_hidden_state` in llama.py, the
     layer loop of deepseek_v2.py, which Kimi-K2.5's language model is) and takes the
     config's list as it is, so id i is index i + 1. Unlike SGLang, vLLM can capture
-    id N-1, and it has no family whose rule depends on the first id."""
-    return [int(i) + 1 for i in ids]
-
-
-def from_vllm_aux_layer_ids(indices: Sequence[int]) -> list[int]:
-    return [int(i) - 1 for i in indices]
+    id N-1, and it has no family whose rule depends on the first id. The same "input of
+    layer L" naming as SGLang's layers_to_capture."""
+    return to_sglang_layer_inputs(ids)
 
 
 # Target model types whose SGLang 0.5.23 model (deepseek_v2.py, glm4_moe_lite.py) adds 1 to

@@ -167,7 +167,9 @@ def expected_acceptance_length(rates: list[float]) -> float:
     """Tokens per verify pass of a chain of len(rates) drafts, each accepted with its step's
     rate given that the ones before it were: 1 (the target's own token) + sum over n of
     the chance that the first n drafts are all accepted. All rates 1 gives k + 1; at
-    temperature 0 the rates are accuracies and this is the per-position chain estimate."""
+    temperature 0 the rates are accuracies, and this approximates the chain's mean run of
+    leading correct drafts (exactly, where each step's accuracy is measured given the
+    earlier steps were right)."""
     total, alive = 1.0, 1.0
     for a in rates:
         alive *= a

@@ -258,7 +258,7 @@ def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator 
     if temperature == 0:
         return logits.argmax(-1).tolist()
     probs = torch.softmax(upcast(logits) / temperature, dim=-1)
-    return torch.multinomial(probs.cpu(), 1, generator=generator).flatten().tolist()
+    return torch.multinomial(probs, 1, generator=generator).flatten().tolist()  # generator on probs' device
 
 
 class SpeculativeDecoder:

@@ -114,10 +114,12 @@ def train_step(draft, head, batch, cfg: LoopConfig, optimizer, step: int, total:
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, total, cfg.optim)
     draft.train()
+    # Gradients are freed before the forward, not after it: last step's (the draft's size in
+    # fp32) would otherwise be alive through the forward's activation peak.
+    optimizer.zero_grad(set_to_none=True)
     device = batch["input_ids"].device
     with autocast_for(cfg.compute_dtype, device):
         scores = forward_batch(draft, head, batch, cfg.ttt, train=True, generator=generator, objective=cfg.objective)
-    optimizer.zero_grad(set_to_none=True)
     scores.loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(
         [p for p in draft.parameters() if p.requires_grad], cfg.optim.grad_clip

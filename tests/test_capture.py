@@ -226,6 +226,11 @@ def test_train_reads_the_same_batches_from_the_store(tiny_target, corpus, tmp_pa
         m = want["attention_mask"]
         torch.testing.assert_close(got["aux"][m].float(), want["aux"][m].to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2)
         torch.testing.assert_close(got["final"][m].float(), want["final"][m].to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2)
+    # train.eval_max_samples: the first samples in store order, however many shards there are.
+    bounded = list(eval_batches(reader, names, batch_size=4, max_seq_len=4096, pad_id=0, max_samples=5))
+    assert len(order) > 5 and [b["input_ids"].shape[0] for b in bounded] == [4, 1]
+    first = [rows[sid]["input_ids"] for sid in order[:5]]
+    assert [r[m].tolist() for b in bounded for r, m in zip(b["input_ids"], b["attention_mask"])] == first
     layout = RunLayout.of(cfg)
     with pytest.raises(ProvenanceMismatch, match="'hidden_size'"):
         layout.open_store(expect=capture_contract(cfg_for(tiny_target, run_dir, "target.hidden_size=96"), identity))

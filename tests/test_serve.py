@@ -75,6 +75,9 @@ def test_benchmark_reads_the_accept_length_of_a_served_draft(memorised, tiny_tar
         one = run_benchmark(url, rows, max_new_tokens=2048, warmup=0, runs=8, concurrency=[1])["results"]["1"]
         assert one["completion_tokens"] == sum(memorised["max_new_tokens"])  # each row's own budget
         assert one["accept_length"] == pytest.approx(memorised["chain"]["acceptance_sglang"], rel=0.02)
+        by_openai = run_benchmark(url, rows, max_new_tokens=2048, warmup=0, runs=1, concurrency=[1], api="openai",
+                                  model=str(tiny_target))["results"]["1"]
+        assert by_openai["completion_tokens"] == sum(memorised["max_new_tokens"])  # the rows' budgets there too
         prompts = ["The quick brown fox", "Once upon a time", "In the beginning"]
         for api in ("generate", "openai"):
             res = run_benchmark(url, prompts, max_new_tokens=12, warmup=1, runs=2, concurrency=[1, 3], api=api,
@@ -82,8 +85,8 @@ def test_benchmark_reads_the_accept_length_of_a_served_draft(memorised, tiny_tar
             single, many = res["results"]["1"], res["results"]["3"]
             assert single["runs"] == 2 and single["completion_tokens"] == 2 * 12
             assert many["completion_tokens"] == 2 * 3 * 12
-            # Only /generate reports verify passes; 24 tokens over 2 x 11 passes at the least.
-            assert single["accept_length"] is None if api == "openai" else 24 / 22 <= single["accept_length"] <= 4
+            # Only /generate reports verify passes (the server drafts: it has passes to report).
+            assert (single["accept_length"] is None) == (api == "openai")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)

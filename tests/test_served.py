@@ -28,19 +28,37 @@ PREDICTED = {"sglang": "acceptance_sglang", "vllm": "acceptance_vllm"}
 # chains on a draft of the pipeline, greedy and sampled, through the evaluate stage in
 # tests/test_evaluate.py, and vLLM's on this draft below, mis-wired (each engine start costs
 # ~30-45 s here, so none is repeated).
-@pytest.mark.parametrize("engine, topk, num_draft_tokens", [("sglang", 2, 6)], ids=["sglang-tree"])
-def test_the_engine_serves_the_draft_as_predicted(memorised, tiny_target, engine, topk, num_draft_tokens):
-    reference = memorised["chain" if topk == 1 else "tree"]  # the tree drafted with SGLang's draft attention
-    predicted = reference[PREDICTED[engine]]
+def test_sglang_serves_the_tree_as_predicted(memorised, tiny_target):
+    reference = memorised["tree"]  # the tree (topk 2, 6 draft tokens) drafted with SGLang's draft attention
+    predicted = reference["acceptance_sglang"]
     assert reference["lossless"] and predicted > 3.5  # a strong draft: the check below can fail
-    check = served_check(job(memorised, tiny_target, engine, topk=topk, num_draft_tokens=num_draft_tokens),
-                         memorised["greedy"], predicted, PREDICTED[engine], tolerance=0.02)
+    check = served_check(job(memorised, tiny_target, "sglang", topk=2, num_draft_tokens=6),
+                         memorised["greedy"], predicted, "acceptance_sglang", tolerance=0.02)
     assert check["identical_to_greedy"] == 8 and check["divergent"] == [], check
     assert check["accept_length"] == pytest.approx(predicted, rel=0.02), check
     assert check["matches_prediction"] and "BELOW" not in verdict(check)
-    assert check["engine"].startswith({"sglang": "sglang 0.5.23", "vllm": "vllm 0.32"}[engine])
-    if engine == "sglang":  # SGLang's counters, prompt by prompt: the reference decoder's passes
-        assert check["counters"]["verify_passes"] == [p["passes"] for p in reference["per_row"]]
+    assert check["engine"].startswith("sglang 0.5.23")
+    # SGLang's counters, prompt by prompt: the reference decoder's passes.
+    assert check["counters"]["verify_passes"] == [p["passes"] for p in reference["per_row"]]
+
+
+def test_a_served_check_without_drafts_and_bad_settings_say_so(tmp_path):
+    from eagle3.schema import ConfigError
+    from workflows.core.config import compose
+    from workflows.core.serving import VLLM_VENV, vllm_python
+
+    check = {"engine": "vllm 0.32.0", "accept_length": float("nan"), "prompts": 8, "predicted": 1.5,
+             "served_over_predicted": float("nan"), "matches_prediction": False, "tolerance": 0.02,
+             "identical_to_greedy": 8}
+    assert "reported no speculative verify pass" in verdict(check) and "above" not in verdict(check)
+    with pytest.raises(ConfigError, match=r"evaluate.vllm_python=/no/such/python: no such interpreter"):
+        vllm_python("/no/such/python")
+    assert vllm_python(None, "cuda") != str(VLLM_VENV / "bin" / "python")  # the CPU build never serves a GPU
+    with pytest.raises(ConfigError, match=r"evaluate.served=vllm with evaluate.topk=2: vLLM drafts chains only"):
+        compose(["target=tiny", "evaluate.served=vllm", "evaluate.topk=2"])
+    assert compose(["target=tiny", "evaluate.seeds=[]"]).evaluate.seeds == []  # no sampling: no seed needed
+    with pytest.raises(ConfigError, match=r"evaluate.seeds is empty"):
+        compose(["target=tiny", "evaluate.seeds=[]", "evaluate.temperature=0.5"])
 
 
 def miswire(memorised, engine, folder):

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHIM = ROOT / "workflows" / "sglang_cpu_shim"
 
 
+@pytest.mark.slow  # the Triton interpreter runs SGLang's kernels: minutes
 def test_the_cpu_ops_do_what_sglangs_own_kernels_do():
     env = {**os.environ, "TRITON_INTERPRET": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "sglang_kernel_parity.py"), "30"], env=env,

@@ -154,6 +154,9 @@ class TrainSection(LoopConfig):
     shuffle_window: int = 256  # samples batched together before their batches are shuffled
     prefetch_batches: int = 4  # batches the loader keeps ready
     eval_every: int = 100  # held-out evaluation (from the store's held-out shards), steps
+    # Held-out samples each evaluation reads (the first in store order): rank 0 evaluates
+    # while the other ranks wait, so at scale a full pass could cost more than the training.
+    eval_max_samples: int = 512
     keep_checkpoints: int = 2  # best by held-out walk acceptance; the latest is always kept
     resume: bool = True  # false: discard this run folder's checkpoints and start afresh
     init_from: str | None = None  # warm start: a draft folder's weights only
@@ -173,7 +176,13 @@ class TrainSection(LoopConfig):
         check_ranges(self, where, batch_size=">=1", checkpoint_every=">=0", num_workers=">=1",
                      cpus_per_worker=">0", gpus_per_worker=">=0", zero_stage="[0,2]", grad_accum=">=1",
                      max_seq_len=">=8", rows_per_batch=">=1", shuffle_window=">=1", prefetch_batches=">=1",
-                     eval_every=">=1", keep_checkpoints=">=1")
+                     eval_every=">=1", keep_checkpoints=">=1", eval_max_samples=">=1")
+        # A worker trains on one device, the one DeepSpeed and the batches share
+        # (workflows.train.ray_job): a GPU fraction would put several ranks on one GPU, more
+        # than one would leave the rest idle.
+        if self.gpus_per_worker not in (0, 1):
+            raise ConfigError(f"{where}.gpus_per_worker={self.gpus_per_worker:g}: each Ray Train worker trains on "
+                              f"one GPU (0: on the CPU); for more GPUs raise {where}.num_workers, one worker per GPU")
 
 
 @dataclass
@@ -313,8 +322,11 @@ class EvaluateSection:
         check_ranges(self, where, num_steps=">=1", topk=">=1", num_draft_tokens=">=2", tree_topk=">=0",
                      tree_num_draft_tokens=">=2", max_prompts=">=1", max_new_tokens=">=1", length_buckets=">=1",
                      served_tolerance="(0,1)", served_timeout_s=">0", temperature="[0,2]")
-        if not self.seeds:
+        if self.temperature > 0 and not self.seeds:
             raise ConfigError(f"{where}.seeds is empty: sampling at {where}.temperature needs at least one seed")
+        if self.served == "vllm" and self.topk > 1:
+            raise ConfigError(f"{where}.served=vllm with {where}.topk={self.topk}: vLLM drafts chains only; set "
+                              f"{where}.topk=1, or {where}.served=sglang (or auto) to serve the tree")
         if self.length_buckets != sorted(set(self.length_buckets)) or not self.length_buckets:
             raise ConfigError(f"{where}.length_buckets={self.length_buckets} must be a non-empty ascending list")
 
@@ -356,6 +368,13 @@ class FullConfig:
                 raise ConfigError(f"{field_}=0 (SGLang on the CPU) but target.tp_size={self.target.tp_size}: SGLang "
                                   "0.5.23's CPU backend does not run tensor parallel here (its TP group builds a "
                                   "NCCL communicator); give the actor tp_size GPUs or use target.tp_size=1")
+        # Samples are cut to data.max_length tokens after generation: an answer budget that no
+        # prompt leaves room for is GPU time spent on tokens that are thrown away.
+        if self.data.max_new_tokens >= self.data.max_length:
+            raise ConfigError(f"data.max_new_tokens={self.data.max_new_tokens} but data.max_length="
+                              f"{self.data.max_length} (prompt + answer): answers would be generated past the "
+                              "length every sample is cut to; raise data.max_length (e.g. to train.max_seq_len) "
+                              "or lower data.max_new_tokens")
         size = self.draft.draft_vocab_size
         if size is not None and size > self.target.vocab_size:
             raise ConfigError(f"draft.draft_vocab_size={size} exceeds the target's vocab_size={self.target.vocab_size}")

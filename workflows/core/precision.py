@@ -23,10 +23,19 @@ def resolve(requested: str, device: str = "cpu") -> str:
     if requested != "auto":
         return requested
     if device.startswith("cuda"):
-        import torch
-
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        return cuda_choice()
     return cpu_choice()[0]
+
+
+def cuda_choice() -> str:
+    """bf16 on the GPUs; fp16 only where this process sees a GPU without bf16. A driver
+    without a GPU (a Ray head node placing CUDA workers) must not probe its own CPU: every
+    datacenter GPU since Ampere has bf16."""
+    import torch
+
+    if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        return "float16"
+    return "bfloat16"
 
 
 @functools.lru_cache(maxsize=None)

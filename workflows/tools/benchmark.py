@@ -61,12 +61,14 @@ def one_request(url: str, prompt: str | dict, max_new_tokens: int, api: str, mod
     """-> {completion_tokens, accept_length (or None), verify_passes (or None)}. A prompt is
     a text, or {"input_ids": [...], "max_new_tokens": n} (the report's prompts.jsonl rows:
     the same tokens, the same budget, hence the served check's figure)."""
+    stop: list[int] = []
+    if isinstance(prompt, dict) and prompt.get("max_new_tokens"):  # the row's own budget and stop tokens
+        max_new_tokens, stop = int(prompt["max_new_tokens"]), list(prompt.get("stop_token_ids", []))
     if api == "generate":
         params = {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": ignore_eos}
         body = {"text": prompt} if isinstance(prompt, str) else {"input_ids": prompt["input_ids"]}
-        if isinstance(prompt, dict) and prompt.get("max_new_tokens"):
-            params["max_new_tokens"] = int(prompt["max_new_tokens"])
-            params["stop_token_ids"] = list(prompt.get("stop_token_ids", []))
+        if stop:
+            params["stop_token_ids"] = stop
         meta = _post(f"{url}/generate", {**body, "sampling_params": params}, timeout)["meta_info"]
         tokens = int(meta["completion_tokens"])
         verify = meta.get("spec_verify_ct")
@@ -79,6 +81,8 @@ def one_request(url: str, prompt: str | dict, max_new_tokens: int, api: str, mod
         body = {"model": model or "default", "prompt": text, "max_tokens": max_new_tokens, "temperature": 0}
         if ignore_eos:
             body["ignore_eos"] = True  # SGLang's extension of the completions API
+        if stop:
+            body["stop_token_ids"] = stop  # an extension of SGLang and vLLM
         reply = _post(f"{url}/v1/completions", body, timeout)
         return {"completion_tokens": int(reply["usage"]["completion_tokens"]), "accept_length": None,
                 "verify_passes": None}
@@ -98,7 +102,7 @@ def timed_run(url, prompts, concurrency, start, **kw) -> dict:
             "accept_lengths": accept}
 
 
-def run_benchmark(url: str, prompts: list[str], max_new_tokens: int = 2048, warmup: int = 1, runs: int = 3,
+def run_benchmark(url: str, prompts: list[str | dict], max_new_tokens: int = 2048, warmup: int = 1, runs: int = 3,
                   concurrency=(1, 8), api: str = "generate", model: str | None = None, ignore_eos: bool = False,
                   timeout: float = 3600) -> dict:
     if not prompts:

@@ -17,6 +17,8 @@ step does not wait on storage.
 """
 from __future__ import annotations
 
+import itertools
+
 import queue
 import random
 import threading
@@ -160,10 +162,16 @@ def hash_seed(seed: int, epoch: int) -> int:
     return (seed * 1_000_003 + epoch) % (2**31)
 
 
-def eval_batches(reader, shards: list[str], batch_size: int, max_seq_len: int, pad_id: int) -> Iterator[dict]:
-    """Held-out batches: one sample per row (so per-sample figures are per row), in store order."""
+def eval_batches(reader, shards: list[str], batch_size: int, max_seq_len: int, pad_id: int,
+                 max_samples: int | None = None) -> Iterator[dict]:
+    """Held-out batches: one sample per row (so per-sample figures are per row), in store
+    order; the first `max_samples` samples only (None: all), so that an evaluation every
+    `eval_every` steps costs the same at any corpus size."""
     group: list[dict] = []
-    for sample in reader.iter_samples(shards):
+    samples = reader.iter_samples(shards)
+    if max_samples is not None:
+        samples = itertools.islice(samples, max_samples)
+    for sample in samples:
         if len(sample["input_ids"]) > max_seq_len:
             sample = {k: (v[:max_seq_len] if k != "id" else v) for k, v in sample.items()}
         group.append(sample)

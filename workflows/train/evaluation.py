@@ -41,13 +41,14 @@ def evaluate_heldout(draft, head, batches, loop_cfg, edges: list[int], device) -
     counts = torch.zeros(length, dtype=torch.float64)
     pos_hits = torch.zeros(len(names), length, dtype=torch.float64)
     pos_counts = torch.zeros(len(names), length, dtype=torch.float64)
-    total, by_prompt, loss_sum, n_batches = None, {}, 0.0, 0
+    total, by_prompt, loss_sum, n_batches, n_samples = None, {}, 0.0, 0, 0
     for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items()}
         with autocast_for(loop_cfg.compute_dtype, device):
             s = forward_batch(draft, head, batch, loop_cfg.ttt, train=False, objective=loop_cfg.objective)
         loss_sum += float(s.loss)
         n_batches += 1
+        n_samples += batch["input_ids"].shape[0]  # one sample per row (eval_batches)
         w, c = s.weights.double().cpu(), s.correct.double().cpu()
         hits += (c * w).sum((0, 1))
         sf_w = step_weights(batch["loss_mask"], batch["attention_mask"], length, segment_ids=batch.get("segment_ids"),
@@ -82,6 +83,7 @@ def evaluate_heldout(draft, head, batches, loop_cfg, edges: list[int], device) -
     return {
         **total.as_dict(),
         "loss": loss_sum / n_batches,
+        "eval_samples": n_samples,
         "step_acc": rate(hits, counts),
         # The same accuracy over SpecForge 0.2.0's scored rows (eagle3.ttt.step_weights, rows="input").
         "step_acc_specforge_rows": rate(sf_hits, sf_counts),

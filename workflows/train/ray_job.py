@@ -27,7 +27,11 @@ def train_worker(loop_config: dict) -> None:
     threads = loop_config.get("threads")
     if threads:
         torch.set_num_threads(threads)
-    device = ray.train.torch.get_device() if loop_config.get("use_gpu") else torch.device("cpu")
+    # One device, chosen once: the batches, the head and (through deepspeed_args) the module.
+    device = torch.device("cpu")
+    if loop_config.get("use_gpu"):
+        device = ray.train.torch.get_device()
+        torch.cuda.set_device(device)
     trainer = Trainer(job, rank, world, device)
     checkpoint = ray.train.get_checkpoint()
 

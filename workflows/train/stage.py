@@ -74,17 +74,36 @@ def resume_fields(cfg: FullConfig, backend: str, store_key: str) -> dict:
             "zero_stage": t.zero_stage if backend == "deepspeed" else None, "init_from": t.init_from}
 
 
+def worker_device(cfg: FullConfig, backend: str) -> str:
+    """The device type the draft trains on: Ray workers hold GPUs when `gpus_per_worker > 0`,
+    the local loop uses `train.device`, online training runs in this process on the CPU."""
+    if backend == "deepspeed":
+        return "cuda" if cfg.train.gpus_per_worker > 0 else "cpu"
+    return cfg.train.device if backend == "plain" else "cpu"
+
+
+def training_dtype(cfg: FullConfig, backend: str) -> str:
+    """`train.compute_dtype` settled for the device the workers train on, never by a probe
+    of this driver's CPU (a CPU head node placing GPU workers would otherwise pick fp32)."""
+    device = worker_device(cfg, backend)
+    dtype = resolve(cfg.train.compute_dtype, device)
+    if dtype == "float16":  # a GPU without bf16: the draft trains in bf16 autocast or fp32 only
+        log(f"train: the {device} device has no bf16; the draft trains in float32")
+        return "float32"
+    return dtype
+
+
 def run(cfg: FullConfig, target_path: Path) -> Path:
-    # "auto" settles here, on this machine; the key and the loop see the dtype really used.
     # Workers may run elsewhere (and Hydra's working directory is the driver's): absolute paths.
-    cfg = dataclasses.replace(cfg, run_dir=str(cfg.run_path), cache_dir=str(cfg.cache_path),
-                              train=dataclasses.replace(cfg.train, compute_dtype=resolve(cfg.train.compute_dtype)))
+    cfg = dataclasses.replace(cfg, run_dir=str(cfg.run_path), cache_dir=str(cfg.cache_path))
+    source = data_source(cfg, RunLayout.of(cfg))
+    backend = backend_of(cfg, source)
+    # "auto" settles here, for the workers' device; the key and the loop see the dtype really used.
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compute_dtype=training_dtype(cfg, backend)))
     layout = RunLayout.of(cfg)
     out = layout.stage_dir("train")
     _, vocab_summary = layout.read_vocab()
     identity = identity_for(cfg, target_path)
-    source = data_source(cfg, layout)
-    backend = backend_of(cfg, source)
     key = {"train": to_dict(cfg.train), "draft": to_dict(cfg.draft), "seed": cfg.seed, "target": identity,
            "capture_layer_ids": cfg.target.capture_ids,
            **layout.chain("generate", "vocab", *(["capture"] if source == "store" else []))}
@@ -163,7 +182,7 @@ def train_online(cfg: FullConfig, layout: RunLayout, target_path: Path, provenan
     samples = layout.read_corpus()
     vocab, _ = layout.read_vocab()
     train_rows = [r for r in samples if r["split"] == "train"]
-    eval_rows = [r for r in samples if r["split"] == "heldout"] or train_rows
+    eval_rows = ([r for r in samples if r["split"] == "heldout"] or train_rows)[: cfg.train.eval_max_samples]
     if not train_rows:
         raise InputError(f"{layout.corpus_shards}: the corpus has no train-split sample")
     engine = HFEngine(EngineSpec(str(target_path), dtype=resolve(cfg.train.capture_dtype),

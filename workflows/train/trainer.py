@@ -113,7 +113,7 @@ class DeepSpeedStep:
 
     TAG = "deepspeed"
 
-    def __init__(self, draft, cfg, world: int):
+    def __init__(self, draft, cfg, world: int, device: torch.device):
         import deepspeed
 
         # DeepSpeed would JIT-build its shared-memory all-reduce for CPU workers (minutes,
@@ -131,7 +131,8 @@ class DeepSpeedStep:
             "wall_clock_breakdown": False,
         }
         optimizer = make_optimizer(draft, t.optim)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=draft, optimizer=optimizer, config=ds_config,
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(args=deepspeed_args(device), model=draft,
+                                                                 optimizer=optimizer, config=ds_config,
                                                                  dist_init_required=False)
         self.base_optimizer = optimizer
         self.module = self.engine.module
@@ -159,6 +160,16 @@ class DeepSpeedStep:
                                     load_lr_scheduler_states=False)
 
 
+def deepspeed_args(device: torch.device):
+    """DeepSpeed's `args`, naming the GPU the trainer chose. Left to itself, DeepSpeed 0.19.8
+    places the module on cuda:LOCAL_RANK (`DeepSpeedEngine._set_distributed_vars`), which is
+    the GPU Ray gave the worker only when every worker holds exactly one GPU of its node in
+    order; `device_rank` overrides it, so the module and the batches share one device."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(device_rank=device.index) if device.type == "cuda" else None
+
+
 class Trainer:
     def __init__(self, job: TrainJob, rank: int = 0, world: int = 1, device: torch.device | None = None):
         self.job, self.rank, self.world = job, rank, world
@@ -172,7 +183,8 @@ class Trainer:
         self.head = read_target_head(Path(job.target_path), job.final_is_normed).to(self.device, head_dtype)
         self.reader = StoreReader(job.store_url, job.storage_options, expect=job.expect,
                                   on_corrupt=cfg.train.on_corrupt_shard)
-        self.opt = DeepSpeedStep(draft, cfg, world) if job.backend == "deepspeed" else PlainStep(draft, cfg)
+        self.opt = (DeepSpeedStep(draft, cfg, world, self.device) if job.backend == "deepspeed"
+                    else PlainStep(draft, cfg))
         self.draft = self.opt.module
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed + rank)
 
@@ -180,7 +192,7 @@ class Trainer:
     def evaluate(self) -> dict:
         t = self.loop_cfg
         batches = eval_batches(self.reader, self.job.heldout_shards or self.job.train_shards, t.batch_size,
-                               t.max_seq_len, self.job.pad_id)
+                               t.max_seq_len, self.job.pad_id, max_samples=t.eval_max_samples)
         return evaluate_heldout(self.draft, self.head, batches, t, self.cfg.evaluate.length_buckets, self.device)
 
     # ------------------------------------------------------------------ the loop

@@ -1,0 +1,115 @@
+"""The training path on CUDA, checked on the CPU: the dtype follows the workers' device, one
+device for DeepSpeed and the batches, gradients freed before the forward, presets that do
+not generate what they throw away, a bounded held-out evaluation."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from eagle3.schema import ConfigError
+from eagle3.target_head import TargetHead
+from eagle3.training import LoopConfig, OptimConfig, make_optimizer, train_step
+from eagle3.ttt import TTTConfig
+from tests.helpers import random_draft, tiny_draft_config
+from workflows.core import precision
+from workflows.core.config import compose
+
+
+@pytest.fixture(autouse=True)
+def fresh_choice():
+    precision.cpu_choice.cache_clear()
+    yield
+    precision.cpu_choice.cache_clear()
+
+
+@pytest.mark.parametrize("overrides, backend, chosen", [
+    (["train.gpus_per_worker=1"], "deepspeed", "bfloat16"),  # GPU workers: bf16, whatever the driver's CPU
+    (["train.backend=local", "train.device=cuda"], "plain", "bfloat16"),
+    ([], "deepspeed", "float32"),  # CPU workers: the measured choice of this CPU
+    (["train.backend=local"], "plain", "float32"),
+    ([], "online", "float32"),
+])
+def test_the_training_dtype_follows_the_workers_device(monkeypatch, overrides, backend, chosen):
+    from workflows.train.stage import training_dtype
+
+    probed = []
+
+    def gflops(dtype):  # a driver CPU without bf16 units: probing it would say fp32
+        probed.append(dtype)
+        return 8.0 if dtype == "bfloat16" else 55.0
+
+    monkeypatch.setattr(precision, "matmul_gflops", gflops)
+    cfg = compose(["target=tiny", *overrides])
+    assert training_dtype(cfg, backend) == chosen
+    assert bool(probed) == (chosen == "float32"), "a CUDA run must not probe the driver's CPU"
+    # An explicit dtype is kept on every device.
+    assert training_dtype(compose(["target=tiny", "train.compute_dtype=float32", *overrides]), backend) == "float32"
+
+
+def test_cuda_auto_is_bf16_on_a_driver_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: pytest.fail("probed a GPU that is not here"))
+    assert precision.resolve("auto", "cuda") == "bfloat16"
+
+
+@pytest.mark.parametrize("gpus", ["0.5", "2", "1.5"])
+def test_a_worker_holds_one_gpu_or_none(gpus):
+    with pytest.raises(ConfigError, match=rf"train.gpus_per_worker={gpus}: each Ray Train worker trains on one GPU"):
+        compose(["target=tiny", f"train.gpus_per_worker={gpus}"])
+    assert compose(["target=tiny", "train.gpus_per_worker=1"]).train.gpus_per_worker == 1
+
+
+def test_deepspeed_places_the_module_on_the_trainers_device(monkeypatch):
+    """DeepSpeed 0.19.8 (pinned) takes the device from `args.device_rank` when it is given,
+    else from LOCAL_RANK: with Ray's GPU (cuda:2 for a worker of local rank 1) they differ."""
+    from deepspeed.runtime import engine as ds_engine
+
+    from workflows.train.trainer import deepspeed_args
+
+    assert deepspeed_args(torch.device("cpu")) is None  # CPU workers: DeepSpeed's own default
+    args = deepspeed_args(torch.device("cuda", 2))
+    assert args.device_rank == 2
+
+    chosen = []
+    accelerator = types.SimpleNamespace(set_device=chosen.append, device_name=lambda i: f"cuda:{i}")
+    monkeypatch.setattr(ds_engine, "get_accelerator", lambda: accelerator)
+    monkeypatch.setattr(ds_engine.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(ds_engine.dist, "get_rank", lambda: 1)
+    engine = types.SimpleNamespace(local_rank=1)  # what LOCAL_RANK says
+    ds_engine.DeepSpeedEngine._set_distributed_vars(engine, args)
+    assert engine.device == torch.device("cuda", 2) and chosen == [2]
+    ds_engine.DeepSpeedEngine._set_distributed_vars(engine, None)
+    assert engine.device == torch.device("cuda", 1)  # without args: LOCAL_RANK, the defect
+
+
+def test_last_steps_gradients_are_freed_before_the_forward():
+    cfg = tiny_draft_config()
+    draft = random_draft(cfg, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    b, t = 2, 12
+    batch = {"input_ids": torch.randint(0, cfg.vocab_size, (b, t), generator=g),
+             "loss_mask": torch.ones(b, t, dtype=torch.long), "attention_mask": torch.ones(b, t, dtype=torch.bool),
+             "aux": torch.randn(b, t, cfg.num_aux * cfg.target_hidden_size, generator=g),
+             "final": torch.randn(b, t, cfg.target_hidden_size, generator=g)}
+    head = TargetHead(torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=g))
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[: cfg.draft_vocab_size] = True
+    draft.set_vocab_mapping(torch.zeros(cfg.draft_vocab_size, dtype=torch.long), t2d)  # draft id i = target id i
+    loop = LoopConfig(steps=2, ttt=TTTConfig(length=2, attention="dense"), optim=OptimConfig(lr=1e-3),
+                      compute_dtype="float32")
+    optimizer = make_optimizer(draft, loop.optim)
+    alive = []
+    draft.fc.register_forward_pre_hook(lambda *_: alive.append(sum(p.grad is not None for p in draft.parameters())))
+    for step in range(2):
+        train_step(draft, head, batch, loop, optimizer, step, loop.steps)
+    assert alive[0] == 0 and alive[1:] and max(alive[1:]) == 0, alive
+    assert any(p.grad is not None for p in draft.parameters())  # the last step's stay for inspection
+
+
+def test_presets_do_not_generate_past_the_length_samples_are_cut_to():
+    with pytest.raises(ConfigError, match=r"data.max_new_tokens=600 but data.max_length=512 .*raise data.max_length"):
+        compose(["target=tiny", "data.max_new_tokens=600"])
+    cfg = compose(["+experiment=llama31_8b"])
+    assert cfg.data.max_new_tokens < cfg.data.max_length == cfg.train.max_seq_len
