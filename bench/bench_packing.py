@@ -25,7 +25,7 @@ from eagle3.draft_config import DraftConfig
 from eagle3.modeling import Eagle3Draft
 from eagle3.target_features import collate_samples, pack_samples
 from eagle3.target_head import TargetHead
-from eagle3.training import LoopConfig, make_optimizer, train_step
+from eagle3.training import LoopConfig, PlainOptimizer, lr_at, train_step
 from eagle3.ttt import TTTConfig
 
 
@@ -61,8 +61,8 @@ def measure(cfg: DraftConfig, head: TargetHead, layouts: dict[str, list[dict]], 
         torch.manual_seed(0)
         draft = Eagle3Draft(cfg)
         loop = LoopConfig(steps=len(batches) + 1, ttt=TTTConfig(length=ttt))
-        opt = make_optimizer(draft, loop.optim)
-        train_step(draft, head, batches[0], loop, opt, 0, loop.steps)  # warm-up (allocator, first calls)
+        opt = PlainOptimizer(draft, loop.optim)
+        train_step(opt, head, [batches[0]], lr_at(0, loop.steps, loop.optim), loop)  # warm-up (allocator, first calls)
         runs[name] = (draft, loop, opt)
     seconds = dict.fromkeys(layouts, 0.0)
     for s in range(max(len(b) for b in layouts.values())):
@@ -70,7 +70,7 @@ def measure(cfg: DraftConfig, head: TargetHead, layouts: dict[str, list[dict]], 
             if s < len(batches):
                 draft, loop, opt = runs[name]
                 t0 = time.perf_counter()
-                train_step(draft, head, batches[s], loop, opt, s + 1, loop.steps)
+                train_step(opt, head, [batches[s]], lr_at(s + 1, loop.steps, loop.optim), loop)
                 seconds[name] += time.perf_counter() - t0
     return seconds
 

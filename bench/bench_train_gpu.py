@@ -21,7 +21,7 @@ import torch
 from eagle3.draft_config import DraftConfig
 from eagle3.modeling import Eagle3Draft
 from eagle3.target_head import TargetHead
-from eagle3.training import LoopConfig, make_optimizer, train_step
+from eagle3.training import LoopConfig, PlainOptimizer, lr_at, train_step
 from eagle3.ttt import TTTConfig
 
 
@@ -67,14 +67,14 @@ def run_one(cfg: DraftConfig, seq: int, ttt: int, device: torch.device, steps: i
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg).to(device)
     loop = LoopConfig(steps=steps + 1, ttt=TTTConfig(length=ttt), compute_dtype="bfloat16")
-    opt = make_optimizer(draft, loop.optim)
+    opt = PlainOptimizer(draft, loop.optim)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    train_step(draft, head, batch, loop, opt, 0, loop.steps)  # warm-up (and compilation)
+    train_step(opt, head, [batch], lr_at(0, loop.steps, loop.optim), loop)  # warm-up (and compilation)
     sync(device)
     started = time.perf_counter()
     for s in range(steps):
-        train_step(draft, head, batch, loop, opt, s + 1, loop.steps)
+        train_step(opt, head, [batch], lr_at(s + 1, loop.steps, loop.optim), loop)
     sync(device)
     dt = (time.perf_counter() - started) / steps
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")

@@ -16,7 +16,7 @@ import torch
 from eagle3.draft_config import DraftConfig
 from eagle3.modeling import Eagle3Draft
 from eagle3.target_head import TargetHead
-from eagle3.training import LoopConfig, make_optimizer, train_step
+from eagle3.training import LoopConfig, PlainOptimizer, lr_at, train_step
 from eagle3.ttt import TTTConfig
 
 
@@ -54,11 +54,11 @@ def main() -> None:
         torch.manual_seed(0)
         draft = Eagle3Draft(cfg)
         loop = LoopConfig(steps=a.steps + 1, ttt=TTTConfig(length=a.ttt), compute_dtype=dtype)
-        opt = make_optimizer(draft, loop.optim)
-        train_step(draft, head, batch, loop, opt, 0, loop.steps)  # warm-up
+        opt = PlainOptimizer(draft, loop.optim)
+        train_step(opt, head, [batch], lr_at(0, loop.steps, loop.optim), loop)  # warm-up
         t0 = time.perf_counter()
         for s in range(a.steps):
-            train_step(draft, head, batch, loop, opt, s + 1, loop.steps)
+            train_step(opt, head, [batch], lr_at(s + 1, loop.steps, loop.optim), loop)
         dt = (time.perf_counter() - t0) / a.steps
         results[dtype] = b * t / dt
         print(f"{dtype:9s} {dt:7.3f} s/step  {results[dtype]:9.1f} tokens/s")

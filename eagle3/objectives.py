@@ -60,13 +60,22 @@ def acceptance_rate(log_q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def position_loss(kind: str, log_q: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss per position, acceptance per position) for log_q = log_softmax(draft logits)."""
-    alpha = acceptance_rate(log_q, p)
+    """(loss per position, acceptance per position) for log_q = log_softmax(draft logits).
+
+    What autograd keeps per position is held to the [.., V] tensors the gradient needs
+    (log_q, which log_softmax saves anyway, and p, the target's, shared by every TTT step):
+    the acceptance figure is computed without a graph where the loss does not use it, and
+    the KL's entropy term, a constant, without one too."""
     if kind == "soft_ce":
+        with torch.no_grad():
+            alpha = acceptance_rate(log_q, p)
         return -(p * log_q).sum(-1), alpha
+    alpha = acceptance_rate(log_q, p)
     if kind == "log_acceptance":
         return -torch.log(alpha.clamp_min(1e-6)), alpha
     if kind == "kl_acceptance":
-        kl = (p * (torch.log(p.clamp_min(1e-30)) - log_q)).sum(-1)
+        with torch.no_grad():
+            neg_entropy = (p * torch.log(p.clamp_min(1e-30))).sum(-1)
+        kl = neg_entropy - (p * log_q).sum(-1)
         return (1 - alpha).detach() * kl + (1 - alpha), alpha
     raise ValueError(f"unknown objective {kind!r}; known: {list(OBJECTIVES)}")

@@ -1,7 +1,8 @@
 """One flat single-process training loop over in-memory batches.
 
-`train_step` is the unit of training; `train_in_memory` cycles it over a list of batches
-(the train stage, the tests and the benchmarks call it). A batch is a dict of tensors:
+`train_step` is the unit of training, the one step every backend runs (the train stage's
+Trainer with the plain optimizer or DeepSpeed, `train_in_memory`, the benchmarks);
+`train_in_memory` cycles it over a list of batches. A batch is a dict of tensors:
 
     input_ids [B, T] int64      loss_mask [B, T]      attention_mask [B, T] (right padding)
     aux [B, T, n*H_t]           final [B, T, H_t]     (target states, see storage/)
@@ -110,25 +111,53 @@ def autocast_for(dtype: str, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
 
 
-def train_step(draft, head, batch, cfg: LoopConfig, optimizer, step: int, total: int, generator=None) -> dict:
-    for group in optimizer.param_groups:
-        group["lr"] = lr_at(step, total, cfg.optim)
-    draft.train()
-    # Gradients are freed before the forward, not after it: last step's (the draft's size in
-    # fp32) would otherwise be alive through the forward's activation peak.
-    optimizer.zero_grad(set_to_none=True)
-    device = batch["input_ids"].device
-    with autocast_for(cfg.compute_dtype, device):
-        scores = forward_batch(draft, head, batch, cfg.ttt, train=True, generator=generator, objective=cfg.objective)
-    scores.loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(
-        [p for p in draft.parameters() if p.requires_grad], cfg.optim.grad_clip
-    )
-    optimizer.step()
+class PlainOptimizer:
+    """The optimizer side of a step in this process: torch AdamW, micro-batches accumulated
+    by scaling each loss, clipping at `grad_clip`. The DeepSpeed engine
+    (workflows.train.trainer.DeepSpeedOptimizer) offers the same four calls."""
+
+    def __init__(self, module: torch.nn.Module, cfg: OptimConfig):
+        self.module = module
+        self.optimizer = make_optimizer(module, cfg)
+        self.clip = cfg.grad_clip
+
+    def begin(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.module.train()
+        # Gradients are freed before the forward, not after it: last step's (the draft's size
+        # in fp32) would otherwise be alive through the forward's activation peak.
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor, micro_batches: int) -> None:
+        (loss / micro_batches).backward()
+
+    def finish(self) -> float:
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.clip))
+        self.optimizer.step()
+        return grad_norm
+
+
+def train_step(opt, head, micro_batches: list[dict], lr: float, cfg: LoopConfig, generator=None) -> dict:
+    """One optimizer step over `micro_batches` (forward, TTT loss, backward each), the one
+    step every backend runs: `opt` is a PlainOptimizer or the DeepSpeed engine's wrapper.
+    Returns the step's figures, averaged over its micro-batches."""
+    opt.begin(lr)
+    scores = []
+    for batch in micro_batches:
+        with autocast_for(cfg.compute_dtype, batch["input_ids"].device):
+            s = forward_batch(opt.module, head, batch, cfg.ttt, train=True, generator=generator,
+                              objective=cfg.objective)
+        opt.backward(s.loss, len(micro_batches))
+        scores.append(s)
+    grad_norm = opt.finish()
+    n, steps = len(scores), range(cfg.ttt.length)
     return {
-        "step": step, "loss": float(scores.loss.detach()), "lr": optimizer.param_groups[0]["lr"],
-        "grad_norm": float(grad_norm), "step_acc": scores.step_acc, "step_loss": scores.step_loss,
-        "step_alpha": scores.step_alpha,
+        "loss": sum(float(s.loss.detach()) for s in scores) / n, "lr": lr, "grad_norm": grad_norm,
+        "step_acc": [sum(s.step_acc[j] for s in scores) / n for j in steps],
+        "step_loss": [sum(s.step_loss[j] for s in scores) / n for j in steps],
+        "step_alpha": [sum(s.step_alpha[j] for s in scores) / n for j in steps],
     }
 
 
@@ -179,16 +208,17 @@ def train_in_memory(
         raise ValueError("train_in_memory got no batches")
     torch.manual_seed(cfg.seed)
     generator = torch.Generator(device=batches[0]["input_ids"].device).manual_seed(cfg.seed)
-    optimizer = make_optimizer(draft, cfg.optim)
+    opt = PlainOptimizer(draft, cfg.optim)
     start = 0
     if resume is not None:
         start = int(resume["step"])
-        optimizer.load_state_dict(resume["optimizer"])
+        opt.optimizer.load_state_dict(resume["optimizer"])
         generator.set_state(resume["generator"])
     history = []
     t0 = time.perf_counter()
     for step in range(start, cfg.steps):
-        record = train_step(draft, head, batches[step % len(batches)], cfg, optimizer, step, cfg.steps, generator)
+        record = {"step": step, **train_step(opt, head, [batches[step % len(batches)]], lr_at(step, cfg.steps, cfg.optim),
+                                             cfg, generator)}
         record["elapsed_s"] = time.perf_counter() - t0
         done = step + 1
         if eval_batches is not None and (done % cfg.log_every == 0 or done == cfg.steps):
@@ -198,5 +228,5 @@ def train_in_memory(
         if log is not None and (done % cfg.log_every == 0 or step == 0 or done == cfg.steps):
             log(record)
         if checkpoint is not None and ((checkpoint_every and done % checkpoint_every == 0) or done == cfg.steps):
-            checkpoint(done, optimizer, generator)
+            checkpoint(done, opt.optimizer, generator)
     return history

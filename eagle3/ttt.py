@@ -176,11 +176,16 @@ def score_steps(draft: Eagle3Draft, hiddens, target_probs, target_argmax, weight
     objective = objective or ObjectiveConfig()
     total = 0.0
     step_loss, step_acc, step_alpha, correct = [], [], [], []
+    length = target_probs.shape[1]
     for j, hidden in enumerate(hiddens):
-        logits = draft.logits(hidden)
-        w = weights[..., j]
-        probs = shift_left(target_probs, 1 + j)
-        best = shift_left(target_argmax, 1 + j)
+        # Rows t < T-1-j only: the later ones have no label (weight 0). Slicing, not a
+        # shifted copy, keeps the target's [T, Vd] distribution one shared tensor for every
+        # step (autograd saves views of it, not a copy per step), and scores fewer rows.
+        rows = max(length - 1 - j, 0)
+        logits = draft.logits(hidden[:, :rows])
+        w = weights[:, :rows, j]
+        probs = target_probs[:, 1 + j :]
+        best = target_argmax[:, 1 + j :]
         denom = w.sum().clamp_min(1.0)
         w_loss = w * draft.t2d[best].to(w.dtype) if objective.skip_unreachable else w
         loss_denom = (real_positions.to(w.dtype) if objective.normalise == "positions" and real_positions is not None
@@ -189,7 +194,7 @@ def score_steps(draft: Eagle3Draft, hiddens, target_probs, target_argmax, weight
         loss_j = (per_position * w_loss).sum() / loss_denom
         total = total + (decay**j) * loss_j
         hit = draft.draft_to_target(logits.argmax(-1)) == best
-        correct.append(hit)
+        correct.append(torch.nn.functional.pad(hit, (0, length - rows), value=False))
         step_loss.append(loss_j.detach())
         step_acc.append((hit.float() * w).sum() / denom)
         step_alpha.append((alpha.detach() * w).sum() / denom)

@@ -52,7 +52,7 @@ def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target,
     cfg = tiny_cfg(tiny_target, tmp_path / "run", "train.steps=60", "evaluate.max_prompts=4",
                    "evaluate.max_new_tokens=20", "evaluate.num_steps=3", "train.acceptance_k=3",
                    "train.backend=local", "evaluate.served=auto", "evaluate.temperature=0.8",
-                   "evaluate.served_device=cpu")
+                   "evaluate.device=cpu")
     assert cfg.stages[-2:] == ["export", "evaluate"]
     logs = []
     monkeypatch.setattr(full, "log", logs.append)

@@ -313,7 +313,9 @@ class EvaluateSection:
     # and the served check serves at it too. 0: greedy only.
     temperature: float = 0.0
     seeds: list[int] = field(default_factory=lambda: [0, 1])
-    served_device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA where torch sees a GPU
+    # Where the reference decoder runs and the engines serve; auto: CUDA where torch sees a GPU
+    # (then auto dtypes follow the GPU: the serving dtype, never a probe of this CPU).
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     served_tolerance: float = 0.02  # served / predicted further than this from 1 is flagged
     served_timeout_s: float = 1800.0  # each engine's start and run, together
     vllm_python: str | None = None  # the interpreter that has vLLM (null: .venv-vllm, else this one)

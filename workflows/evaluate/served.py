@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from workflows.core.cli import log
 from workflows.core.config import FullConfig
 from workflows.core.errors import MissingArtefact, ServingError
@@ -14,14 +12,8 @@ from workflows.core.markers import read_marker
 from workflows.core.serving import ENGINES, ServeJob, available_engines, served_check, verdict
 
 
-def served_device(setting: str) -> str:
-    if setting != "auto":
-        return setting
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def served_checks(cfg: FullConfig, layout: RunLayout, target_path: Path, rows: list[dict], greedy: list[list[int]],
-                  report: dict, dtype: str, eos: list[int]) -> dict:
+                  report: dict, dtype: str, eos: list[int], device: str) -> dict:
     """The exported draft served by each engine of `evaluate.served` with the report's
     drafting and dtype, on the prompts just decoded, beside the prediction in that engine's
     definition (workflows.core.serving). An engine named explicitly must serve; under
@@ -37,7 +29,6 @@ def served_checks(cfg: FullConfig, layout: RunLayout, target_path: Path, rows: l
     if e.topk > 1 and "sglang_draft_attention" in report:  # SGLang drafts trees with its own attention
         predicted["sglang"] = ("sglang_draft_attention.acceptance_decoded_sglang_definition",
                                report["sglang_draft_attention"]["acceptance_decoded_sglang_definition"])
-    device = served_device(e.served_device)
     have, checks = available_engines(e.vllm_python, device), {}
     for engine in (ENGINES if e.served == "auto" else (e.served,)):
         if engine not in have:

@@ -55,7 +55,7 @@ def load_draft_for_eval(cfg: FullConfig, layout: RunLayout, model, dtype: torch.
     elif export:
         log(f"evaluate: {layout.sglang_export} was exported from an older draft; scoring {source} instead")
     load_draft_weights(folder, draft, file=source)
-    return draft.to(dtype).eval(), str(source)
+    return draft.to(model.device, dtype).eval(), str(source)
 
 
 def ablation_file(layout: RunLayout) -> Path:
@@ -71,8 +71,9 @@ def ablation_mtime(layout: RunLayout) -> int | None:
 DTYPE_GAP = 0.02  # the offline walk in the serving dtype and in fp32 may differ this much silently
 
 
-def offline_in_fp32(cfg: FullConfig, layout: RunLayout, target_path: Path, ids, rows, k: int, walk: float) -> dict:
-    engine = HFEngine(EngineSpec(str(target_path), dtype="float32", layer_ids=ids,
+def offline_in_fp32(cfg: FullConfig, layout: RunLayout, target_path: Path, ids, rows, k: int, walk: float,
+                    device: str) -> dict:
+    engine = HFEngine(EngineSpec(str(target_path), dtype="float32", layer_ids=ids, device=device,
                                  trust_remote_code=cfg.target.trust_remote_code))
     draft, _ = load_draft_for_eval(cfg, layout, engine.model, torch.float32)
     groups = [rows[i : i + 4] for i in range(0, len(rows), 4)]
@@ -85,9 +86,17 @@ def offline_in_fp32(cfg: FullConfig, layout: RunLayout, target_path: Path, ids, 
     return {"acceptance_offline_float32": fp32.walk, "dtype_gap": gap, "dtype_gap_flagged": gap > DTYPE_GAP}
 
 
-def evaluation_dtype(cfg: FullConfig) -> tuple[str, str]:
+def evaluation_device(setting: str) -> str:
+    """evaluate.device settled: auto is CUDA where torch sees a GPU."""
+    if setting != "auto":
+        return setting
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def evaluation_dtype(cfg: FullConfig, device: str = "cpu") -> tuple[str, str]:
     """(dtype the evaluation runs in, why): evaluate.dtype, or for auto the serving dtype
-    when this machine computes it fast (workflows.core.precision), else float32."""
+    on a GPU, and on a CPU where it computes it fast (workflows.core.precision), else
+    float32."""
     from workflows.core.precision import cpu_choice
 
     serving, requested = cfg.target.dtype, cfg.evaluate.dtype
@@ -95,6 +104,8 @@ def evaluation_dtype(cfg: FullConfig) -> tuple[str, str]:
         return requested, f"evaluate.dtype={requested}" + (f" (serving: {serving})" if requested != serving else "")
     if serving == "float32":
         return "float32", "the serving dtype"
+    if device.startswith("cuda"):
+        return serving, "the serving dtype, on the GPU"
     fast, why = cpu_choice()
     if fast == serving:
         return serving, f"the serving dtype ({why})"
@@ -114,11 +125,12 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         log(f"evaluate: reusing {out}")
         return out
     torch.manual_seed(cfg.seed)
-    dtype_name, dtype_why = evaluation_dtype(cfg)
-    log(f"evaluate: computing in {dtype_name}: {dtype_why}")
+    device = evaluation_device(e.device)
+    dtype_name, dtype_why = evaluation_dtype(cfg, device)
+    log(f"evaluate: computing in {dtype_name} on {device}: {dtype_why}")
     dtype = getattr(torch, dtype_name)
     ids = load_draft_config(layout.require_draft()).capture_layer_ids
-    engine = HFEngine(EngineSpec(str(target_path), dtype=dtype_name, layer_ids=ids,
+    engine = HFEngine(EngineSpec(str(target_path), dtype=dtype_name, layer_ids=ids, device=device,
                                  trust_remote_code=cfg.target.trust_remote_code))
     model = engine.model
     cfg.target.check_against_hf_config(model.config)
@@ -136,6 +148,7 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     report = {
         "target": str(target_path), "draft": source, "prompts": len(rows), "max_new_tokens": e.max_new_tokens,
         "num_steps": k, "topk": e.topk, "num_draft_tokens": e.num_draft_tokens or k + 1, "dtype": dtype_name,
+        "device": device,
         "dtype_reason": dtype_why, "serving_dtype": cfg.target.dtype,
         "serve_args": speculative_args(k, e.topk, e.num_draft_tokens or k + 1),
         "acceptance_definitions": {
@@ -161,7 +174,7 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         "offline_walk_passes": offline.passes, "per_prompt_decoded": dec["per_row"],
     }
     if dtype_name != "float32":  # the same walk in fp32: does precision move the figure?
-        report.update(offline_in_fp32(cfg, layout, target_path, ids, rows, k, offline.walk))
+        report.update(offline_in_fp32(cfg, layout, target_path, ids, rows, k, offline.walk, device))
     if served.exists():
         report["served_benchmark"] = read_json(served)
     ablation = ablation_file(layout)
@@ -179,7 +192,7 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
                        "lossless_tree": tree["lossless"]})
     if e.temperature > 0:
         report["at_temperature"] = at_temperature(cfg, model, draft, head, rows, batches, ids, eos)
-    report["served"] = served_checks(cfg, layout, target_path, rows, dec["greedy"], report, dtype_name, eos)
+    report["served"] = served_checks(cfg, layout, target_path, rows, dec["greedy"], report, dtype_name, eos, device)
     with atomic_dir(out) as tmp:
         plots = plot(report, tmp)
         write_json_atomic(tmp / "report.json", report)

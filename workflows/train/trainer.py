@@ -5,7 +5,8 @@
 or alone in this process with a plain torch AdamW (`PlainStep`, the reference the tests
 compare DeepSpeed against). Per optimizer step: the learning rate of the warmup + cosine
 schedule, `grad_accum` micro-batches from this worker's stream (workflows.train.data),
-the TTT forward and loss of eagle3.training, one optimizer step. Every `eval_every` steps
+eagle3.training.train_step (the TTT forward, loss and backward of each, one optimizer
+step): the one step of every backend, the tests and the benchmarks. Every `eval_every` steps
 rank 0 evaluates the store's held-out shards; every `checkpoint_every` steps every rank
 saves its part (workflows.train.checkpoint) with the loop state, so that a resume
 continues the same data, noise and schedule bit for bit.
@@ -24,7 +25,7 @@ import torch
 from eagle3.modeling import Eagle3Draft
 from eagle3.schema import from_dict
 from workflows.core.target_weights import read_embeddings, read_head_and_norm, read_target_head
-from eagle3.training import autocast_for, forward_batch, lr_at, make_optimizer
+from eagle3.training import PlainOptimizer, lr_at, make_optimizer, train_step
 from storage.reader import StoreReader
 from workflows.core.cli import log
 from workflows.core.config import FullConfig
@@ -76,30 +77,11 @@ def build_draft(cfg: FullConfig, target_path: str, vocab) -> Eagle3Draft:
     return draft
 
 
-class PlainStep:
-    """torch AdamW + clipping in this process: the reference optimizer step."""
+class PlainStep(PlainOptimizer):
+    """The plain optimizer with its checkpoint files."""
 
     def __init__(self, draft, cfg):
-        self.module = draft
-        self.optimizer = make_optimizer(draft, cfg.train.optim)
-        self.clip = cfg.train.optim.grad_clip
-
-    def step(self, head, micro_batches, lr, loop_cfg, generator):
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.module.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        scores = []
-        for batch in micro_batches:
-            with autocast_for(loop_cfg.compute_dtype, batch["input_ids"].device):
-                s = forward_batch(self.module, head, batch, loop_cfg.ttt, train=True, generator=generator,
-                                  objective=loop_cfg.objective)
-            (s.loss / len(micro_batches)).backward()
-            scores.append(s)
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.clip))
-        self.optimizer.step()
-        return scores, grad_norm
+        super().__init__(draft, cfg.train.optim)
 
     def save(self, folder: Path) -> None:
         torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
@@ -109,7 +91,8 @@ class PlainStep:
 
 
 class DeepSpeedStep:
-    """A DeepSpeed engine over the draft, with a torch AdamW (no C++ op built at run time)."""
+    """A DeepSpeed engine over the draft, with a torch AdamW (no C++ op built at run time):
+    the optimizer side of eagle3.training.train_step, like PlainOptimizer."""
 
     TAG = "deepspeed"
 
@@ -137,20 +120,19 @@ class DeepSpeedStep:
         self.base_optimizer = optimizer
         self.module = self.engine.module
 
-    def step(self, head, micro_batches, lr, loop_cfg, generator):
+    # The four calls of eagle3.training.train_step's optimizer (see PlainOptimizer there).
+    def begin(self, lr: float) -> None:
         for group in self.base_optimizer.param_groups:
             group["lr"] = lr
-        self.engine.train()
-        scores = []
-        for batch in micro_batches:
-            with autocast_for(loop_cfg.compute_dtype, batch["input_ids"].device):
-                s = forward_batch(self.module, head, batch, loop_cfg.ttt, train=True, generator=generator,
-                                  objective=loop_cfg.objective)
-            self.engine.backward(s.loss)
-            self.engine.step()  # DeepSpeed steps the optimizer at the accumulation boundary only
-            scores.append(s)
+        self.engine.train()  # DeepSpeed freed the gradients at the last accumulation boundary
+
+    def backward(self, loss, micro_batches: int) -> None:
+        self.engine.backward(loss)  # DeepSpeed scales by its gradient_accumulation_steps itself
+        self.engine.step()  # and steps the optimizer at the accumulation boundary only
+
+    def finish(self) -> float:
         grad_norm = self.engine.get_global_grad_norm()
-        return scores, float(grad_norm) if grad_norm is not None else float("nan")
+        return float(grad_norm) if grad_norm is not None else float("nan")
 
     def save(self, folder: Path) -> None:
         self.engine.save_checkpoint(str(folder), tag=self.TAG)
@@ -221,20 +203,12 @@ class Trainer:
             for step in range(start, t.steps):
                 micro = [{k: v.to(self.device, non_blocking=True) for k, v in next(stream).items()}
                          for _ in range(t.grad_accum)]
-                lr = lr_at(step, t.steps, t.optim)
-                scores, grad_norm = self.opt.step(self.head, micro, lr, t, self.generator)
+                figures = train_step(self.opt, self.head, micro, lr_at(step, t.steps, t.optim), t, self.generator)
                 tokens = sum(int(b["attention_mask"].sum()) for b in micro)
-                loss, tokens_all = self._mean_over_workers(sum(float(s.loss.detach()) for s in scores) / len(scores),
-                                                           tokens)
+                loss, tokens_all = self._mean_over_workers(figures["loss"], tokens)
                 tokens_since += tokens_all
                 done = step + 1
-                record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                          "step_acc": [sum(s.step_acc[j] for s in scores) / len(scores) for j in range(t.ttt.length)],
-                          "step_loss": [sum(s.step_loss[j] for s in scores) / len(scores)
-                                        for j in range(t.ttt.length)],
-                          "step_alpha": [sum(s.step_alpha[j] for s in scores) / len(scores)
-                                         for j in range(t.ttt.length)],
-                          "tokens": tokens_all, "epoch": stream.position.epoch}
+                record = {"step": step, **figures, "loss": loss, "tokens": tokens_all, "epoch": stream.position.epoch}
                 if done % t.eval_every == 0 or done == t.steps or (t.checkpoint_every and done % t.checkpoint_every == 0):
                     last_eval = self._evaluate_on_rank0()
                     record["eval"] = last_eval
