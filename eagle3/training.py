@@ -114,7 +114,7 @@ def autocast_for(dtype: str, device: torch.device):
 class PlainOptimizer:
     """The optimizer side of a step in this process: torch AdamW, micro-batches accumulated
     by scaling each loss, clipping at `grad_clip`. The DeepSpeed engine
-    (workflows.train.trainer.DeepSpeedOptimizer) offers the same four calls."""
+    (workflows.train.trainer.DeepSpeedStep) offers the same calls."""
 
     def __init__(self, module: torch.nn.Module, cfg: OptimConfig):
         self.module = module
@@ -217,8 +217,8 @@ def train_in_memory(
     history = []
     t0 = time.perf_counter()
     for step in range(start, cfg.steps):
-        record = {"step": step, **train_step(opt, head, [batches[step % len(batches)]], lr_at(step, cfg.steps, cfg.optim),
-                                             cfg, generator)}
+        lr = lr_at(step, cfg.steps, cfg.optim)
+        record = {"step": step, **train_step(opt, head, [batches[step % len(batches)]], lr, cfg, generator)}
         record["elapsed_s"] = time.perf_counter() - t0
         done = step + 1
         if eval_batches is not None and (done % cfg.log_every == 0 or done == cfg.steps):
