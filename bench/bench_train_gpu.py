@@ -20,9 +20,17 @@ import torch
 
 from eagle3.draft_config import DraftConfig
 from eagle3.modeling import Eagle3Draft
+from eagle3.objectives import ObjectiveConfig
 from eagle3.target_head import TargetHead
 from eagle3.training import LoopConfig, PlainOptimizer, lr_at, train_step
 from eagle3.ttt import TTTConfig
+
+
+# Llama-3.1-8B's draft (SpecForge's and ours), and a 256-wide one for smoke runs.
+LLAMA8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256,
+               draft_vocab=32000, target_hidden=4096)
+SMALL = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=4096, draft_vocab=1024,
+             target_hidden=256)
 
 
 def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 10) -> float:
@@ -52,29 +60,52 @@ def step_flops(cfg: DraftConfig, tokens: int, ttt: int) -> float:
     return 3 * tokens * (fuse + ttt * (per_token + attention)) + tokens * head
 
 
-def run_one(cfg: DraftConfig, seq: int, ttt: int, device: torch.device, steps: int) -> dict:
-    g = torch.Generator(device=device).manual_seed(0)
-    b = 1
-    batch = {
-        "input_ids": torch.randint(0, cfg.vocab_size, (b, seq), generator=g, device=device),
-        "loss_mask": torch.ones(b, seq, dtype=torch.long, device=device),
-        "attention_mask": torch.ones(b, seq, dtype=torch.bool, device=device),
-        "aux": torch.randn(b, seq, cfg.num_aux * cfg.target_hidden_size, generator=g, device=device).bfloat16(),
-        "final": torch.randn(b, seq, cfg.target_hidden_size, generator=g, device=device).bfloat16(),
+def draft_config(s: dict) -> DraftConfig:
+    """A draft of the given shapes (bench.gpu_suite's dicts: hidden, heads, kv_heads, ...)."""
+    return DraftConfig(hidden_size=s["hidden"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+                       head_dim=s["head_dim"], intermediate_size=s["intermediate"], vocab_size=s["vocab"],
+                       draft_vocab_size=s["draft_vocab"], target_hidden_size=s["target_hidden"],
+                       target_num_layers=32, capture_layer_ids=[1, 15, 28])
+
+
+def random_batch(cfg: DraftConfig, seq: int, device: torch.device, seed: int = 0, batch: int = 1) -> dict:
+    """One batch of random tokens and bf16 states (the store's dtype), every token trained."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return {
+        "input_ids": torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(device),
+        "loss_mask": torch.ones(batch, seq, dtype=torch.long, device=device),
+        "attention_mask": torch.ones(batch, seq, dtype=torch.bool, device=device),
+        "aux": torch.randn(batch, seq, cfg.num_aux * cfg.target_hidden_size, generator=g).bfloat16().to(device),
+        "final": torch.randn(batch, seq, cfg.target_hidden_size, generator=g).bfloat16().to(device),
     }
-    head = TargetHead(torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=g, device=device).bfloat16()
-                      * 0.02)
+
+
+def run_one(cfg: DraftConfig, seq: int, ttt: int, device: torch.device, steps: int, dtype: str = "bfloat16",
+            loss_block_rows: int = 0, compile_layer: bool = False) -> dict:
+    """Our step (eagle3.training.train_step, as the train stage runs it) at batch 1: seconds
+    per step after one warm-up step, peak memory from the warm-up's end. `loss_block_rows`:
+    train.objective.loss_block_rows (soft_ce in blocks of rows, eagle3.chunked_loss);
+    `compile_layer`: the draft's decoder layer under torch.compile (its norms, MLP and rotary
+    are memory-bound elementwise chains that inductor fuses), a measurement only so far."""
+    batch = random_batch(cfg, seq, device)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    head_weight = (torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=g) * 0.02).to(device)
+    head = TargetHead(head_weight.bfloat16() if dtype == "bfloat16" else head_weight)
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg).to(device)
-    loop = LoopConfig(steps=steps + 1, ttt=TTTConfig(length=ttt), compute_dtype="bfloat16")
+    if compile_layer:
+        draft.midlayer.compile()
+    loop = LoopConfig(steps=steps + 1, ttt=TTTConfig(length=ttt), compute_dtype=dtype,
+                      objective=ObjectiveConfig(loss_block_rows=loss_block_rows))
     opt = PlainOptimizer(draft, loop.optim)
+    generator = torch.Generator(device=device).manual_seed(0)
+    train_step(opt, head, [batch], lr_at(0, loop.steps, loop.optim), loop, generator)  # warm-up (and compilation)
+    sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    train_step(opt, head, [batch], lr_at(0, loop.steps, loop.optim), loop)  # warm-up (and compilation)
-    sync(device)
     started = time.perf_counter()
     for s in range(steps):
-        train_step(opt, head, [batch], lr_at(s + 1, loop.steps, loop.optim), loop)
+        train_step(opt, head, [batch], lr_at(s + 1, loop.steps, loop.optim), loop, generator)
     sync(device)
     dt = (time.perf_counter() - started) / steps
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
@@ -90,14 +121,7 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="a 256-wide draft (smoke run)")
     a = ap.parse_args()
     device = torch.device(a.device)
-    if a.small:
-        cfg = DraftConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                          intermediate_size=512, vocab_size=4096, draft_vocab_size=1024, target_hidden_size=256,
-                          target_num_layers=8, capture_layer_ids=[1, 3, 5])
-    else:
-        cfg = DraftConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                          intermediate_size=14336, vocab_size=128256, draft_vocab_size=32000,
-                          target_hidden_size=4096, target_num_layers=32, capture_layer_ids=[1, 15, 28])
+    cfg = draft_config(SMALL if a.small else LLAMA8B)
     peak = matmul_tflops(device, n=8192 if device.type == "cuda" else 1024, reps=10 if device.type == "cuda" else 2)
     print(f"device {device}; bf16 matmul {peak:.1f} TFLOP/s measured")
     print("| seq len | tokens/s | peak GiB | MFU |")

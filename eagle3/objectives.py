@@ -23,7 +23,7 @@ from typing import Literal
 
 import torch
 
-from eagle3.schema import ConfigError
+from eagle3.schema import ConfigError, check_ranges
 
 OBJECTIVES = ("soft_ce", "log_acceptance", "kl_acceptance")
 
@@ -44,6 +44,10 @@ class ObjectiveConfig:
     # the same data; the draft underfits, so this helps, see the README's ablations) or
     # "answer" (the loss mask only, as SpecForge 0.2.0). Evaluation always scores the answers.
     tokens: Literal["answer", "all"] = "all"
+    # soft_ce a block of this many rows at a time (eagle3.chunked_loss), the logits
+    # recomputed in backward: per TTT step autograd keeps no [T, draft vocab] tensor (1 GiB
+    # at T 8192, vocab 32000), for one more lm_head matmul. 0: all rows at once.
+    loss_block_rows: int = 0
 
     def validate(self, where: str = "objective") -> None:
         if self.kind not in OBJECTIVES:
@@ -52,6 +56,10 @@ class ObjectiveConfig:
             raise ConfigError(f"{where}.normalise={self.normalise!r} is not 'scored' or 'positions'")
         if self.tokens not in ("answer", "all"):
             raise ConfigError(f"{where}.tokens={self.tokens!r} is not 'answer' or 'all'")
+        check_ranges(self, where, loss_block_rows=">=0")
+        if self.loss_block_rows and self.kind != "soft_ce":
+            raise ConfigError(f"{where}.loss_block_rows={self.loss_block_rows} computes soft_ce in blocks; "
+                              f"{where}.kind={self.kind!r} needs the whole distribution: set it to 0")
 
 
 def acceptance_rate(log_q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

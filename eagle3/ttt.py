@@ -27,6 +27,7 @@ from typing import Literal
 import torch
 
 from eagle3.attention import ATTENTION_BACKENDS, make_ttt_attention, segments_from_mask
+from eagle3.chunked_loss import chunked_soft_ce
 from eagle3.modeling import Eagle3Draft
 from eagle3.objectives import ObjectiveConfig, position_loss
 from eagle3.schema import ConfigError, check_ranges
@@ -182,7 +183,6 @@ def score_steps(draft: Eagle3Draft, hiddens, target_probs, target_argmax, weight
         # shifted copy, keeps the target's [T, Vd] distribution one shared tensor for every
         # step (autograd saves views of it, not a copy per step), and scores fewer rows.
         rows = max(length - 1 - j, 0)
-        logits = draft.logits(hidden[:, :rows])
         w = weights[:, :rows, j]
         probs = target_probs[:, 1 + j :]
         best = target_argmax[:, 1 + j :]
@@ -190,10 +190,16 @@ def score_steps(draft: Eagle3Draft, hiddens, target_probs, target_argmax, weight
         w_loss = w * draft.t2d[best].to(w.dtype) if objective.skip_unreachable else w
         loss_denom = (real_positions.to(w.dtype) if objective.normalise == "positions" and real_positions is not None
                       else w_loss.sum()).clamp_min(1.0)
-        per_position, alpha = position_loss(objective.kind, torch.log_softmax(logits.float(), dim=-1), probs)
+        if objective.loss_block_rows:  # soft_ce without keeping [rows, Vd] (eagle3.chunked_loss)
+            per_position, guess, alpha = chunked_soft_ce(draft.norm(hidden[:, :rows]), draft.lm_head.weight, probs,
+                                                         objective.loss_block_rows)
+        else:
+            logits = draft.logits(hidden[:, :rows])
+            per_position, alpha = position_loss(objective.kind, torch.log_softmax(logits.float(), dim=-1), probs)
+            guess = logits.argmax(-1)
         loss_j = (per_position * w_loss).sum() / loss_denom
         total = total + (decay**j) * loss_j
-        hit = draft.draft_to_target(logits.argmax(-1)) == best
+        hit = draft.draft_to_target(guess) == best
         correct.append(torch.nn.functional.pad(hit, (0, length - rows), value=False))
         step_loss.append(loss_j.detach())
         step_acc.append((hit.float() * w).sum() / denom)

@@ -51,6 +51,14 @@ class _DirectArray:
         return zarr_direct.read_whole(self.fs, self.lay)
 
 
+def sample_order(count: int, shard: str, seed: int | None):
+    """The order a shard's samples are read in: as stored, or with `seed` shuffled the same
+    way for a given (seed, shard name) whichever worker reads it."""
+    if seed is None:
+        return range(count)
+    return np.random.default_rng([seed, zlib.crc32(shard.encode())]).permutation(count)
+
+
 class StoreReader:
     """`on_corrupt="error"` (default): a committed shard that is missing or corrupt raises
     StoreError naming the store, the shard and the problem. `"skip"`: streaming
@@ -70,6 +78,10 @@ class StoreReader:
         self._index: dict[str, tuple[str, int]] | None = None
         # sample(): the last 64 shards' array readers and offsets
         self._open: OrderedDict[str, tuple[dict, np.ndarray]] = OrderedDict()
+
+    @property
+    def url(self) -> str:
+        return self.store.url
 
     # ------------------------------------------------------------------ errors
     def _error(self, name: str, problem: str) -> StoreError:
@@ -244,10 +256,7 @@ class StoreReader:
             input_ids = torch.from_numpy(shard["input_ids"].astype(np.int64))
             loss_mask = torch.from_numpy(shard["loss_mask"].astype(np.int64))
             aux, final = from_bf16_bits(shard["aux"]), from_bf16_bits(shard["final"])
-            order = range(len(ids))
-            if seed is not None:
-                order = np.random.default_rng([seed, zlib.crc32(shard["shard"].encode())]).permutation(len(ids))
-            for k in order:
+            for k in sample_order(len(ids), shard["shard"], seed):
                 a, b = int(off[k]), int(off[k + 1])
                 yield {"id": ids[k], "input_ids": input_ids[a:b], "loss_mask": loss_mask[a:b],
                        "aux": aux[a:b], "final": final[a:b]}

@@ -130,6 +130,50 @@ def test_deepspeed_on_one_worker_matches_the_plain_loop(tiny_target, captured, t
     assert set(m_ray["step_acc_by_position"]) and set(m_ray["acceptance_walk_by_prompt_length"])
 
 
+@pytest.mark.slow
+def test_online_states_train_through_the_same_loop_and_resume_exactly(tiny_target, captured, tmp_path):
+    """train.data_source=online: the states the target computes in this process go through
+    the store's loop (cadence, records, held-out evaluation, metrics.json), and a run killed
+    for real between two checkpoints resumes to the uninterrupted run's records exactly."""
+    cadence = ("stages=[train]", "train.backend=local", "train.steps=40", "train.checkpoint_every=10",
+               "train.eval_every=10", "train.log_every=1")
+    store = copy_run(captured, tmp_path / "store")
+    full.run(compose(overrides(tiny_target, store, *cadence, "train.data_source=store")))
+    online = ("train.data_source=online", "capture.shard_samples=4", *cadence)
+    # The reference and the killed run train in child processes of the same threads, so that
+    # their kernels round alike.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    reference = copy_run(captured, tmp_path / "reference")
+    ran = subprocess.run(train_command(tiny_target, reference, *online), cwd=ROOT, env=env, capture_output=True,
+                         text=True)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    m_store = json.loads((store / "train" / "metrics.json").read_text())
+    m_online = json.loads((reference / "train" / "metrics.json").read_text())
+    assert set(m_online) == set(m_store)
+    assert m_online["eval_samples"] == m_store["eval_samples"] and m_online["stream"]["samples"] > 0
+    for run in (store, reference):  # one cadence: evaluated at every checkpoint and at the end
+        assert [r["step"] for r in records(run)] == list(range(40))
+        assert [r["step"] for r in records(run) if "eval" in r] == [9, 19, 29, 39]
+
+    killed = copy_run(captured, tmp_path / "killed")
+    proc = subprocess.Popen(train_command(tiny_target, killed, *online), cwd=ROOT, env=env,
+                            stdout=open(tmp_path / "killed.log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    loop_state = killed / "train" / "checkpoint" / "loop_rank0.json"
+    try:
+        while not loop_state.exists():
+            assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
+            time.sleep(0.02)
+    finally:
+        kill_run(proc)
+    assert not (killed / "train" / "metrics.json").exists() and logged_steps(killed)[-1] < 39
+    done = subprocess.run(train_command(tiny_target, killed, *online), cwd=ROOT, env=env, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "train: resuming from step 10" in done.stdout
+    assert records(killed) == records(reference)
+
+
 def test_a_resume_with_changed_settings_is_refused_naming_them(tiny_target, captured, tmp_path):
     run_dir = copy_run(captured, tmp_path / "run")
     base = ("stages=[train]", "train.backend=local", "train.eval_every=2", "train.log_every=2")

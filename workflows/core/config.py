@@ -153,7 +153,6 @@ class TrainSection(LoopConfig):
     rows_per_batch: int = 1  # packed rows per micro-batch
     shuffle_window: int = 256  # samples batched together before their batches are shuffled
     prefetch_batches: int = 4  # batches the loader keeps ready
-    eval_every: int = 100  # held-out evaluation (from the store's held-out shards), steps
     # Held-out samples each evaluation reads (the first in store order): rank 0 evaluates
     # while the other ranks wait, so at scale a full pass could cost more than the training.
     eval_max_samples: int = 512
@@ -162,7 +161,6 @@ class TrainSection(LoopConfig):
     init_from: str | None = None  # warm start: a draft folder's weights only
     on_corrupt_shard: Literal["error", "skip"] = "error"  # skip: counted in metrics.json
     device: str = "cpu"  # the local backend's device
-    checkpoint_every: int = 100  # steps; 0 = only at the end
     # The draft's compute: bf16 autocast or fp32; auto: whichever is faster here.
     compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     # Target precision while computing its states for training ("online" capture).
@@ -173,10 +171,10 @@ class TrainSection(LoopConfig):
 
     def validate(self, where: str = "train") -> None:
         super().validate(where)
-        check_ranges(self, where, batch_size=">=1", checkpoint_every=">=0", num_workers=">=1",
+        check_ranges(self, where, batch_size=">=1", num_workers=">=1",
                      cpus_per_worker=">0", gpus_per_worker=">=0", zero_stage="[0,2]", grad_accum=">=1",
                      max_seq_len=">=8", rows_per_batch=">=1", shuffle_window=">=1", prefetch_batches=">=1",
-                     eval_every=">=1", keep_checkpoints=">=1", eval_max_samples=">=1")
+                     keep_checkpoints=">=1", eval_max_samples=">=1")
         # A worker trains on one device, the one DeepSpeed and the batches share
         # (workflows.train.ray_job): a GPU fraction would put several ranks on one GPU, more
         # than one would leave the rest idle.

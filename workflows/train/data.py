@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from eagle3.target_features import collate_samples, pack_samples
+from storage.reader import sample_order
 from workflows.core.errors import InputError
 
 
@@ -84,15 +85,33 @@ def window_batches(samples: list[dict], s: BatchSettings, rng: random.Random, co
     return batches
 
 
+class SamplesInMemory:
+    """Samples held in this process, read like the store's shards (storage.reader.StoreReader's
+    `iter_samples`, `url`, `skipped`): online states go through the same batching, stream
+    and held-out evaluation as states from the store."""
+
+    def __init__(self, shards: dict[str, list[dict]], url: str):
+        self.shards, self.url = shards, url
+        self.skipped: dict[str, str] = {}  # nothing to skip: no file behind these samples
+
+    def iter_samples(self, names: list[str], seed: int | None = None) -> Iterator[dict]:
+        for name in names:
+            samples = self.shards[name]
+            for k in sample_order(len(samples), name, seed):
+                yield samples[k]
+
+
 class BatchStream:
-    """An endless, resumable stream of one worker's training batches (see module doc)."""
+    """An endless, resumable stream of one worker's training batches (see module doc).
+    With `pin`, the prefetch thread pins each batch in page-locked memory, so that the copy
+    to the GPU can overlap the step (`.to(device, non_blocking=True)`)."""
 
     def __init__(self, reader, shards: list[str], settings: BatchSettings, seed: int, rank: int = 0,
-                 world: int = 1, start: StreamPosition | None = None, prefetch: int = 4):
+                 world: int = 1, start: StreamPosition | None = None, prefetch: int = 4, pin: bool = False):
         if not shards:
-            raise InputError(f"store {reader.store.url}: no committed shard to train on")
+            raise InputError(f"store {reader.url}: no committed shard to train on")
         self.reader, self.shards, self.settings = reader, list(shards), settings
-        self.seed, self.rank, self.world = seed, rank, world
+        self.seed, self.rank, self.world, self.pin = seed, rank, world, pin
         self.position = StreamPosition(**(start.as_dict() if start else {}))
         self.counts = StreamCounts()
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
@@ -122,11 +141,13 @@ class BatchStream:
                 for n, batch in enumerate(self.epoch_batches(epoch), start=1):
                     if n <= skip:  # already trained on before the checkpoint
                         continue
+                    if self.pin:
+                        batch = {k: v.pin_memory() for k, v in batch.items()}
                     self._put(("batch", epoch, n, batch))
                     if self._stop.is_set():
                         return
                 if n == 0:
-                    raise InputError(f"store {self.reader.store.url}: worker {self.rank} of {self.world} got no "
+                    raise InputError(f"store {self.reader.url}: worker {self.rank} of {self.world} got no "
                                      f"sample from shards {self.shards[:4]}...; fewer samples than workers?")
                 epoch, skip = epoch + 1, 0
         except BaseException as exc:  # handed to the consumer, raised there

@@ -10,8 +10,9 @@ Checkpoints every `train.checkpoint_every` steps; a rerun resumes from the lates
 optimizer, data position, noise RNG, bit for bit), and refuses a checkpoint whose data, TTT
 length, world size or step budget differ, naming them.
 
-"Online" states (`train.data_source=online`, no capture) are computed here by the target,
-kept in memory and trained by the plain loop: a laptop convenience, without checkpoints.
+"Online" states (`train.data_source=online`, no capture) are computed here by the target
+(on `train.device`), kept in memory and trained by the same Trainer as the store's, with its
+checkpoints and metrics: a laptop convenience.
 
 Outputs in `<run_dir>/train/`:
 
@@ -24,26 +25,24 @@ Outputs in `<run_dir>/train/`:
 from __future__ import annotations
 
 import dataclasses
-import random
 import shutil
 from pathlib import Path
 
+import torch
+
 from eagle3.schema import ConfigError, to_dict
-from eagle3.target_head import TargetHead
-from eagle3.training import evaluate, train_in_memory
 from storage.store import StoreError
 from workflows.core.cli import log
 from workflows.core.config import FullConfig
-from workflows.core.draft_files import save_draft
 from workflows.core.engines import EngineSpec, HFEngine
 from workflows.core.errors import InputError
 from workflows.core.layout import RunLayout
-from workflows.core.markers import atomic_dir, clear_done, mark_done, read_json, stage_is_done, write_json_atomic
+from workflows.core.markers import clear_done, mark_done, read_json, stage_is_done
 from workflows.core.precision import resolve
 from workflows.core.provenance import FINAL_IS_NORMED, capture_contract, draft_provenance, identity_for
 from workflows.train import checkpoint as ckpt
-from workflows.train.tracking import Tracker
-from workflows.train.trainer import Trainer, TrainJob, build_draft
+from workflows.train.data import SamplesInMemory
+from workflows.train.trainer import Trainer, TrainJob
 
 
 def data_source(cfg: FullConfig, layout: RunLayout) -> str:
@@ -76,10 +75,10 @@ def resume_fields(cfg: FullConfig, backend: str, store_key: str) -> dict:
 
 def worker_device(cfg: FullConfig, backend: str) -> str:
     """The device type the draft trains on: Ray workers hold GPUs when `gpus_per_worker > 0`,
-    the local loop uses `train.device`, online training runs in this process on the CPU."""
+    the local loop and online training use `train.device`."""
     if backend == "deepspeed":
         return "cuda" if cfg.train.gpus_per_worker > 0 else "cpu"
-    return cfg.train.device if backend == "plain" else "cpu"
+    return cfg.train.device
 
 
 def training_dtype(cfg: FullConfig, backend: str) -> str:
@@ -126,6 +125,28 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     return out
 
 
+def resumable_checkpoint(cfg: FullConfig, layout: RunLayout, backend: str, fields: dict) -> Path | None:
+    """The latest checkpoint to resume from (None: start afresh); one whose data, maths or
+    schedule differ is refused here, naming them, before any worker starts."""
+    out = layout.stage_dir("train")
+    if not cfg.train.resume:
+        for folder in (ckpt.ray_run_dir(out), layout.checkpoint_dir):
+            shutil.rmtree(folder, ignore_errors=True)
+    latest = ckpt.latest_checkpoint(out, backend)
+    if latest is not None:
+        state = ckpt.check_resumable(latest, fields)
+        log(f"train: resuming from step {state['step']} ({latest})")
+    return latest
+
+
+def job_config(cfg: FullConfig) -> dict:
+    """The config as the workers get it. Secrets stay out of what crosses Ray: the store's
+    credentials travel once, in the job's storage_options; the target's env is not needed."""
+    config = to_dict(cfg)
+    config["capture"]["storage_options"], config["target"]["env"] = {}, {}
+    return config
+
+
 def train_from_store(cfg: FullConfig, layout: RunLayout, target_path: Path, identity: dict, provenance: dict,
                      backend: str) -> dict:
     out = layout.stage_dir("train")
@@ -139,18 +160,8 @@ def train_from_store(cfg: FullConfig, layout: RunLayout, target_path: Path, iden
     if not heldout_shards:
         log("train: the store has no held-out shard (data.heldout_fraction too small?); evaluating on train data")
     fields = resume_fields(cfg, backend, layout.require_done("capture"))
-    if not cfg.train.resume:
-        for folder in (ckpt.ray_run_dir(out), layout.checkpoint_dir):
-            shutil.rmtree(folder, ignore_errors=True)
-    latest = ckpt.latest_checkpoint(out, backend)
-    if latest is not None:
-        state = ckpt.check_resumable(latest, fields)  # refused here, before any worker starts
-        log(f"train: resuming from step {state['step']} ({latest})")
-    config = to_dict(cfg)
-    # Secrets stay out of what crosses Ray: the store's credentials travel once, in
-    # storage_options; the target's env is not needed by the workers.
-    config["capture"]["storage_options"], config["target"]["env"] = {}, {}
-    job = TrainJob(config=config, target_path=str(Path(target_path).resolve()), store_url=layout.store_url,
+    latest = resumable_checkpoint(cfg, layout, backend, fields)
+    job = TrainJob(config=job_config(cfg), target_path=str(Path(target_path).resolve()), store_url=layout.store_url,
                    storage_options=dict(layout.storage_options), expect=expect,
                    final_is_normed=bool(reader.provenance.get("final_is_normed", FINAL_IS_NORMED)),
                    provenance=provenance, resume_fields=fields, train_shards=train_shards,
@@ -169,40 +180,48 @@ def train_from_store(cfg: FullConfig, layout: RunLayout, target_path: Path, iden
 
 
 # ---------------------------------------------------------------------- online (no store)
-def make_batches(samples: list[dict], batch_size: int, seed: int) -> list[list[dict]]:
-    """Length-sorted batches (little padding), visited in a seeded random order."""
-    ordered = sorted(samples, key=lambda r: (len(r["input_ids"]), r["id"]))
-    batches = [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
-    random.Random(seed).shuffle(batches)
-    return batches
+def online_shards(engine, rows: list[dict], split: str, shard_samples: int) -> dict[str, list[dict]]:
+    """The target's states for `rows`, computed here and kept in memory, in shards named as
+    the store names them (`train-00000`, ...), so that the stream shuffles them alike."""
+    from tqdm import tqdm
+
+    shards = {}
+    for start in tqdm(range(0, len(rows), shard_samples), desc=f"online states ({split})", unit="shard"):
+        part = rows[start : start + shard_samples]
+        states = engine.states([r["input_ids"] for r in part])
+        shards[f"{split}-{start // shard_samples:05d}"] = [
+            {"id": r["id"], "input_ids": torch.tensor(r["input_ids"], dtype=torch.int64),
+             "loss_mask": torch.tensor(r["loss_mask"], dtype=torch.int64), "aux": aux.cpu(), "final": final.cpu()}
+            for r, (aux, final) in zip(part, states)]
+    return shards
 
 
 def train_online(cfg: FullConfig, layout: RunLayout, target_path: Path, provenance: dict) -> dict:
-    out = layout.stage_dir("train")
+    """The target computes the states here, then the same Trainer as for the store trains on
+    them (with checkpoints and resume: the states are a function of the corpus)."""
     samples = layout.read_corpus()
-    vocab, _ = layout.read_vocab()
     train_rows = [r for r in samples if r["split"] == "train"]
-    eval_rows = ([r for r in samples if r["split"] == "heldout"] or train_rows)[: cfg.train.eval_max_samples]
+    # Held-out evaluation reads at most eval_max_samples (workflows.train.data.eval_batches).
+    heldout_rows = [r for r in samples if r["split"] == "heldout"][: cfg.train.eval_max_samples]
     if not train_rows:
         raise InputError(f"{layout.corpus_shards}: the corpus has no train-split sample")
-    engine = HFEngine(EngineSpec(str(target_path), dtype=resolve(cfg.train.capture_dtype),
+    device = cfg.train.device
+    engine = HFEngine(EngineSpec(str(target_path), dtype=resolve(cfg.train.capture_dtype, device), device=device,
                                  layer_ids=cfg.target.capture_ids, trust_remote_code=cfg.target.trust_remote_code))
     cfg.target.check_against_hf_config(engine.model.config)
-    train_batches = engine.training_batches(make_batches(train_rows, cfg.train.batch_size, cfg.seed), "capture train")
-    eval_batches = engine.training_batches(make_batches(eval_rows, cfg.train.batch_size, cfg.seed),
-                                           "capture held-out")
-    head = TargetHead.from_hf(engine.model)
-    draft = build_draft(cfg, str(target_path), vocab)
+    shard_samples = cfg.capture.shard_samples
+    shards = {**online_shards(engine, train_rows, "train", shard_samples),
+              **online_shards(engine, heldout_rows, "heldout", shard_samples)}
+    pad_id, final_is_normed = engine.pad_id, engine.final_is_normed
     del engine  # the target's layers are no longer needed; keep memory for training
-    log(f"train: {len(train_rows)} train / {len(eval_rows)} held-out samples (online, in this process), "
+    fields = resume_fields(cfg, "plain", f"online:{layout.require_done('generate')}:{layout.require_done('vocab')}")
+    latest = resumable_checkpoint(cfg, layout, "plain", fields)
+    log(f"train: {len(train_rows)} train / {len(heldout_rows)} held-out samples (online, in this process), "
         f"{cfg.train.steps} steps")
-    tracker = Tracker(cfg, out)
-    train_in_memory(draft, head, train_batches, cfg.train, eval_batches=eval_batches, log=tracker)
-    final = evaluate(draft, head, eval_batches, cfg.train)
-    final.update({"steps": cfg.train.steps, "eval_samples": len(eval_rows), "train_samples": len(train_rows)})
-    with atomic_dir(layout.draft_dir) as tmp:
-        save_draft(tmp, draft, provenance)
-    write_json_atomic(out / "metrics.json", final)
-    tracker.close(final)
-    return final
-
+    job = TrainJob(config=job_config(cfg), target_path=str(Path(target_path).resolve()),
+                   store_url=f"online states of {layout.corpus_shards}", storage_options={}, expect={},
+                   final_is_normed=final_is_normed, provenance=provenance, resume_fields=fields,
+                   train_shards=[n for n in shards if n.startswith("train-")],
+                   heldout_shards=[n for n in shards if n.startswith("heldout-")], backend="plain", pad_id=pad_id)
+    Trainer(job, samples=SamplesInMemory(shards, job.store_url)).fit(latest)
+    return read_json(layout.stage_dir("train") / "metrics.json")

@@ -1,22 +1,23 @@
-"""The trainer: one flat loop over the store's stream, the same on every worker.
+"""The trainer: the one training loop (eagle3.training.fit) over a worker's stream.
 
 `Trainer.fit` is run by each Ray Train worker with DeepSpeed doing the optimizer step
 (`DeepSpeedStep`: ZeRO stage, bf16, gradient accumulation and clipping from the config),
 or alone in this process with a plain torch AdamW (`PlainStep`, the reference the tests
-compare DeepSpeed against). Per optimizer step: the learning rate of the warmup + cosine
-schedule, `grad_accum` micro-batches from this worker's stream (workflows.train.data),
-eagle3.training.train_step (the TTT forward, loss and backward of each, one optimizer
-step): the one step of every backend, the tests and the benchmarks. Every `eval_every` steps
-rank 0 evaluates the store's held-out shards; every `checkpoint_every` steps every rank
-saves its part (workflows.train.checkpoint) with the loop state, so that a resume
-continues the same data, noise and schedule bit for bit.
+compare DeepSpeed against). The states come from the store (storage.reader) or, online,
+from samples computed by the target in this process (workflows.train.data.SamplesInMemory):
+the same stream, evaluation, checkpoints and metrics either way. Per optimizer step: the
+learning rate of the warmup + cosine schedule, `grad_accum` micro-batches from this
+worker's stream (workflows.train.data), eagle3.training.train_step (the TTT forward, loss
+and backward of each, one optimizer step): the one step of every backend, the tests and
+the benchmarks. Every `eval_every` steps rank 0 evaluates the held-out shards; every
+`checkpoint_every` steps every rank saves its part (workflows.train.checkpoint) with the
+loop state, so that a resume continues the same data, noise and schedule bit for bit.
 
 A job (`TrainJob`) carries only plain values with absolute paths: it crosses Ray to
 workers that may run on another node of the cluster.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import torch
 from eagle3.modeling import Eagle3Draft
 from eagle3.schema import from_dict
 from workflows.core.target_weights import read_embeddings, read_head_and_norm, read_target_head
-from eagle3.training import PlainOptimizer, lr_at, make_optimizer, train_step
+from eagle3.training import LoopHooks, PlainOptimizer, fit, make_optimizer
 from storage.reader import StoreReader
 from workflows.core.cli import log
 from workflows.core.config import FullConfig
@@ -153,7 +154,9 @@ def deepspeed_args(device: torch.device):
 
 
 class Trainer:
-    def __init__(self, job: TrainJob, rank: int = 0, world: int = 1, device: torch.device | None = None):
+    def __init__(self, job: TrainJob, rank: int = 0, world: int = 1, device: torch.device | None = None,
+                 samples=None):
+        """`samples`: a reader of the job's shards held in memory (online states); None: the store."""
         self.job, self.rank, self.world = job, rank, world
         self.cfg = cfg = from_dict(FullConfig, job.config, "config")
         self.loop_cfg = cfg.train
@@ -163,8 +166,8 @@ class Trainer:
         draft = build_draft(cfg, job.target_path, vocab).to(self.device)
         head_dtype = torch.bfloat16 if cfg.train.compute_dtype == "bfloat16" else torch.float32
         self.head = read_target_head(Path(job.target_path), job.final_is_normed).to(self.device, head_dtype)
-        self.reader = StoreReader(job.store_url, job.storage_options, expect=job.expect,
-                                  on_corrupt=cfg.train.on_corrupt_shard)
+        self.reader = samples if samples is not None else StoreReader(
+            job.store_url, job.storage_options, expect=job.expect, on_corrupt=cfg.train.on_corrupt_shard)
         self.opt = (DeepSpeedStep(draft, cfg, world, self.device) if job.backend == "deepspeed"
                     else PlainStep(draft, cfg))
         self.draft = self.opt.module
@@ -195,34 +198,24 @@ class Trainer:
             if self.rank == 0:
                 log(f"train: resuming at step {start} (epoch {position.epoch}, batch {position.batches})")
         stream = BatchStream(self.reader, self.job.train_shards, batch_settings(t, self.job.pad_id), self.cfg.seed,
-                             self.rank, self.world, start=position, prefetch=t.prefetch_batches)
+                             self.rank, self.world, start=position, prefetch=t.prefetch_batches,
+                             pin=self.device.type == "cuda")
         tracker = Tracker(self.cfg, self.layout.stage_dir("train"), resume_step=start) if self.rank == 0 else None
-        last_eval: dict | None = None
-        t0, tokens_since = time.perf_counter(), 0
+
+        def next_batches() -> list[dict]:
+            return [{k: v.to(self.device, non_blocking=True) for k, v in next(stream).items()}
+                    for _ in range(t.grad_accum)]
+
+        hooks = LoopHooks(
+            evaluate=self._evaluate_on_rank0,
+            log=None if tracker is None else (lambda record: tracker({**record, "epoch": stream.position.epoch})),
+            checkpoint=lambda done, best, last: self._checkpoint(done, stream.position, best, last, report),
+            reduce=self._mean_over_workers if self.world > 1 else None)
         try:
-            for step in range(start, t.steps):
-                micro = [{k: v.to(self.device, non_blocking=True) for k, v in next(stream).items()}
-                         for _ in range(t.grad_accum)]
-                figures = train_step(self.opt, self.head, micro, lr_at(step, t.steps, t.optim), t, self.generator)
-                tokens = sum(int(b["attention_mask"].sum()) for b in micro)
-                loss, tokens_all = self._mean_over_workers(figures["loss"], tokens)
-                tokens_since += tokens_all
-                done = step + 1
-                record = {"step": step, **figures, "loss": loss, "tokens": tokens_all, "epoch": stream.position.epoch}
-                if done % t.eval_every == 0 or done == t.steps or (t.checkpoint_every and done % t.checkpoint_every == 0):
-                    last_eval = self._evaluate_on_rank0()
-                    record["eval"] = last_eval
-                    if last_eval and (best is None or last_eval["acceptance_walk"] > best["acceptance_walk"]):
-                        best = {"step": done, "acceptance_walk": last_eval["acceptance_walk"]}
-                if tracker is not None and (done % t.log_every == 0 or step == 0 or done == t.steps):
-                    elapsed = time.perf_counter() - t0
-                    record["tokens_per_s"] = tokens_since / max(elapsed, 1e-9)
-                    tracker(record)
-                    t0, tokens_since = time.perf_counter(), 0
-                if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps:
-                    self._checkpoint(done, stream.position, best, last_eval, report)
+            state = fit(self.opt, self.head, next_batches, t, self.generator, hooks, start=start, best=best)
         finally:
             stream.close()
+        last_eval, best = state.last_eval, state.best
         final = self._evaluate_on_rank0() if last_eval is None else last_eval
         if self.rank == 0:
             final = {**final, "best": best, "stream": {"samples": stream.counts.samples, "tokens": stream.counts.tokens,
@@ -236,8 +229,6 @@ class Trainer:
         return None
 
     def _mean_over_workers(self, loss: float, tokens: int) -> tuple[float, int]:
-        if self.world == 1:
-            return loss, tokens
         import torch.distributed as dist
 
         t = torch.tensor([loss, float(tokens)], dtype=torch.float64, device=self._comm_device())
