@@ -50,7 +50,8 @@ def measure(target: Path, samples: int, length: int, device: str, dtype: str, re
     """Capture into a store and the bare forward, interleaved `repeats` times: the best of each."""
     from storage.store import HiddenStateStore
     from workflows.capture.writer import ShardPlan, capture_and_write
-    from workflows.core.engines import EngineSpec, make_engine
+    from workflows.core.engine_spec import EngineSpec
+    from workflows.core.engines import make_engine
     from workflows.core.provenance import read_hf_config
 
     _, text = read_hf_config(target)

@@ -13,9 +13,9 @@ import sys
 import tempfile
 import time
 
-from workflows.core.cli import log
 from workflows.core.config import compose
 from workflows.core.layout import RunLayout
+from workflows.core.log import log
 from workflows.core.precision import resolve
 from workflows.core.targets import prepare_for
 from workflows.generate import stage as generate
@@ -23,7 +23,8 @@ from workflows.generate import stage as generate
 
 def main(overrides: list[str]) -> dict:
     from eagle3.chat_template import generation_prompt_ids
-    from workflows.core.engines import EngineSpec, HFEngine
+    from workflows.core.engine_spec import EngineSpec
+    from workflows.core.engines import HFEngine
     from workflows.generate.regenerate import Settings
 
     defaults = ["mixture=bundled", "data.limit=16", "data.max_new_tokens=64", "data.batch_size=8",

@@ -137,7 +137,8 @@ def run_trial(args: dict) -> dict:
     from eagle3.training import evaluate, train_in_memory
     from eagle3.vocab import build_draft_vocab, count_tokens
     from workflows.core.config import auto_draft_vocab_size, compose
-    from workflows.core.engines import EngineSpec, HFEngine
+    from workflows.core.engine_spec import EngineSpec
+    from workflows.core.engines import HFEngine
     from workflows.core.precision import resolve
     from workflows.core.target_weights import read_target_head
     from workflows.train.trainer import build_draft
@@ -191,7 +192,8 @@ def run_trial(args: dict) -> dict:
 def greedy_answers(target: str, capture_ids: list[int], rows: list[dict]) -> list[list[int]]:
     """Plain greedy answers of the decoded prompts, once: every trial is checked against them."""
     from eagle3.spec_decode import greedy_decode
-    from workflows.core.engines import EngineSpec, HFEngine
+    from workflows.core.engine_spec import EngineSpec
+    from workflows.core.engines import HFEngine
 
     engine = HFEngine(EngineSpec(target, dtype="float32", layer_ids=capture_ids))
     eos = [engine.tokenizer.eos_token_id]

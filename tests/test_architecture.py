@@ -6,10 +6,14 @@
 * `workflows.core` imports no stage, tool or `workflows.full`; a tool imports no stage.
 * `eagle3/` is the model and its maths: the standard library, torch and transformers only.
 * `storage/` imports no other package of the project.
+* Importing a module of `workflows` builds no entry point: Hydra's is built only when a
+  stage, a tool or `workflows.full` runs as a script (`if __name__ == "__main__"`).
 """
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -122,3 +126,42 @@ def test_the_check_catches_each_kind_of_violation(tmp_path, file, source, compla
     assert len(found) == 1 and complaint in found[0], found
     target.write_text(ALLOWED[file.split("/")[0]])  # the same file, importing what it may
     assert violations(tmp_path) == []
+
+
+# Imports every module of `workflows` (its `__main__` modules too) in one fresh interpreter and
+# prints, per module, what importing it added to Hydra's ConfigStore or the exception it raised.
+# `--help` in argv: an entry point built at import then prints Hydra's help, never runs a stage.
+IMPORT_PROBE = """
+import importlib, json, sys
+names, sys.argv = sys.argv[1:], ["import-probe", "--help"]
+from hydra.core.config_store import ConfigStore
+repo, found = ConfigStore.instance().repo, {}
+before = set(repo)
+for name in names:
+    try:
+        importlib.import_module(name)
+    except BaseException as exc:  # SystemExit too: Hydra's help, or an entry point's exit
+        found[name] = f"raised {type(exc).__name__}: {exc}"
+    added = sorted(set(repo) - before)
+    if added:
+        found[name] = f"registered {added} with Hydra"
+        for key in added:  # so that the next module's own registrations show
+            del repo[key]
+print(json.dumps(found))
+"""
+
+
+def workflows_modules(root: Path) -> list[str]:
+    return [module_name(path, root) for path in sorted((root / "workflows").rglob("*.py"))
+            if "sglang_cpu_shim" not in path.parts]  # the CPU shim loads inside SGLang processes only
+
+
+def test_importing_a_module_builds_no_entry_point():
+    """`main = stage_main(run)` at module level registered the schema with Hydra (and, in a
+    `__main__` module, ran the stage) for whoever imported it: tests, full, the bench."""
+    names = workflows_modules(ROOT)
+    assert "workflows.vocab" in names and "workflows.train.__main__" in names
+    proc = subprocess.run([sys.executable, "-c", IMPORT_PROBE, *names], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {}

@@ -299,7 +299,8 @@ def test_the_capture_stage_on_sglang_uses_one_engine_per_actor_and_one_forward(t
     state from one forward (ids 1 and 3 and the final state from SGLang's runner, 5 = the last
     layer's output from the tail), stored states equal to HF's."""
     pytest.importorskip("sglang")
-    from workflows.core.engines import EngineSpec, make_engine
+    from workflows.core.engine_spec import EngineSpec
+    from workflows.core.engines import make_engine
 
     run_dir = run_dir_with_corpus(corpus, tmp_path)
     cfg = cfg_for(tiny_target, run_dir, "capture.backend=sglang", "target.capture_layer_ids=[1,3,5]")

@@ -20,7 +20,8 @@ def test_sglang_states_equal_hfs_by_either_final_state_method(tiny_target, metho
     (aux and final as tensors from one forward; bf16 crosses as bf16) and the Engine's aux
     states plus the last layer's tail. fp32 on CPU is exact up to kernel order."""
     pytest.importorskip("sglang")
-    from workflows.core.engines import EngineSpec, make_engine
+    from workflows.core.engine_spec import EngineSpec
+    from workflows.core.engines import make_engine
 
     seqs = [[1, 5, 9, 33, 2, 7, 100, 4, 8, 8], [3, 4, 5, 6, 7]]
     # 12 tokens per forward: the runner prefills the two sequences as two micro-batches.
@@ -52,7 +53,8 @@ def test_a_silent_sglang_capture_worker_is_reported_after_its_timeout(tiny_targe
     gets an error naming the step, the timeout and the worker's state, and the worker is
     told to exit."""
     pytest.importorskip("sglang")
-    from workflows.core.engines import EngineSpec, make_engine
+    from workflows.core.engine_spec import EngineSpec
+    from workflows.core.engines import make_engine
 
     engine = make_engine("sglang", EngineSpec(str(tiny_target), layer_ids=[1, 3, 4], timeout_s=0.5))
     with pytest.raises(RuntimeError, match=r"SGLang capture worker failed during start \(did not answer "
@@ -86,7 +88,8 @@ def test_runner_micro_batches_keep_order_and_the_token_budget():
 def test_sglang_refuses_the_last_layers_output_where_the_tail_cannot_run(tiny_target, tmp_path):
     """SGLang never returns id N-1 (the last layer's output); only the tail gives it, and the
     tail cannot run a quantized layer: refused before any engine starts, naming why."""
-    from workflows.core.engines import EngineSpec, make_engine
+    from workflows.core.engine_spec import EngineSpec
+    from workflows.core.engines import make_engine
 
     quantized = tmp_path / "q"
     shutil.copytree(tiny_target, quantized)

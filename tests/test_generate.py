@@ -14,7 +14,8 @@ from eagle3.chat_template import generation_prompt_ids
 from tests.helpers import corpus_rows, kill_run
 from workflows import full
 from workflows.core.config import compose
-from workflows.core.engines import EngineSpec, HFEngine
+from workflows.core.engine_spec import EngineSpec
+from workflows.core.engines import HFEngine
 from workflows.generate import stage as generate
 from workflows.generate.ingest import split_of
 from workflows.generate.regenerate import Settings, regenerate_conversations

@@ -24,11 +24,12 @@ from safetensors.torch import load_file, save_file
 from eagle3.draft_config import DraftConfig
 from eagle3.layer_ids import check_sglang_servable, to_vllm_aux_layer_ids
 from workflows.core import wiring
-from workflows.core.cli import log, stage_main
+from workflows.core.cli import stage_main
 from workflows.core.config import FullConfig
 from workflows.core.draft_files import WEIGHTS as DRAFT_WEIGHTS
 from workflows.core.draft_files import load_draft_config, load_provenance
 from workflows.core.layout import RunLayout
+from workflows.core.log import log
 from workflows.core.markers import atomic_dir, clear_done, mark_done, stage_is_done, write_json_atomic
 from workflows.core.provenance import identity_for
 
@@ -156,8 +157,5 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     return out
 
 
-main = stage_main(run)
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # built only when run: importing this module registers nothing with Hydra
+    stage_main("export", run)()

@@ -21,9 +21,10 @@ import time
 from workflows import evaluate, export, vocab
 from workflows.capture.stage import capture_main
 from workflows.capture.stage import run as capture
-from workflows.core.cli import hydra_entry, log
+from workflows.core.cli import hydra_entry
 from workflows.core.config import FullConfig
 from workflows.core.layout import RunLayout
+from workflows.core.log import log
 from workflows.core.serving import verdict
 from workflows.core.targets import prepare_for
 from workflows.generate.stage import run as generate
@@ -87,8 +88,5 @@ def headline(cfg: FullConfig) -> list[str]:
     ]
 
 
-main = hydra_entry(run, lock=lambda cfg: not cfg.capture.estimate_only)
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # built only when run: importing this module registers nothing with Hydra
+    hydra_entry(run, lock=lambda cfg: not cfg.capture.estimate_only)()

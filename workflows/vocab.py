@@ -11,10 +11,11 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3.vocab import build_draft_vocab
-from workflows.core.cli import log, stage_main
+from workflows.core.cli import stage_main
 from workflows.core.config import FullConfig, auto_draft_vocab_size
 from workflows.core.errors import InputError
 from workflows.core.layout import RunLayout
+from workflows.core.log import log
 from workflows.core.markers import atomic_dir, mark_done, stage_is_done, write_json_atomic
 
 
@@ -59,8 +60,5 @@ def run(cfg: FullConfig, target_path: Path | None = None) -> Path:
     return out
 
 
-main = stage_main(run)
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # built only when run: importing this module registers nothing with Hydra
+    stage_main("vocab", run)()

@@ -34,12 +34,13 @@ from storage.verify import verify
 from workflows.capture.plan import plan_corpus, select_plans
 from workflows.capture.sizing import check_space, corpus_figures, estimate, measured_capture_tokens_per_s, projection
 from workflows.capture.writer import CorpusFiles, ShardRef, capture_and_write
-from workflows.core.cli import log
 from workflows.core.cluster import ensure_ray
 from workflows.core.config import FullConfig
-from workflows.core.engines import EngineSpec, engine_class
+from workflows.core.engine_spec import EngineSpec
+from workflows.core.engines import engine_class
 from workflows.core.errors import InputError
 from workflows.core.layout import RunLayout
+from workflows.core.log import log
 from workflows.core.markers import (
     clear_done,
     mark_done,

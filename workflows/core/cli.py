@@ -12,17 +12,16 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
+from workflows.core.config import load_config, register_schema
 from workflows.core.errors import USER_ERRORS
+from workflows.core.layout import RunLayout
+from workflows.core.log import log
+from workflows.core.targets import prepare_for
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def _debug() -> bool:
@@ -54,11 +53,9 @@ def reporting_errors(main: Callable[..., Any]) -> Callable[..., Any]:
 
 def hydra_entry(task: Callable[[Any], Any], lock: Callable[[Any], bool] = lambda cfg: True) -> Callable[[], Any]:
     """The `main()` of an entry point running `task(cfg)` on the composed FullConfig, with
-    the run folder locked while it writes (when `lock(cfg)`; read-only runs do not lock)."""
-    import hydra
-
-    from workflows.core.config import load_config, register_schema
-    from workflows.core.layout import RunLayout
+    the run folder locked while it writes (when `lock(cfg)`; read-only runs do not lock).
+    Building it registers the schema with Hydra: call it only when the entry point runs."""
+    import hydra  # here: workflows.tools.benchmark takes `reporting_errors` alone, without Hydra
 
     register_schema()
 
@@ -80,15 +77,12 @@ def hydra_entry(task: Callable[[Any], Any], lock: Callable[[Any], bool] = lambda
     return main
 
 
-def stage_main(run_stage: Callable[[Any, Path], Any]) -> Callable[[], Any]:
-    """The entry point of a stage `run_stage(cfg, target_path)`: the target is prepared first."""
-    from workflows.core.layout import RunLayout
-    from workflows.core.targets import prepare_for
-
-    # workflows.<stage>[.stage]: a stage whose output is shared between runs (multirun,
-    # sweeps) waits for that folder's lock, as under workflows.full.
-    stage = run_stage.__module__.split(".")[1]
-
+def stage_main(stage: str, run_stage: Callable[[Any, Path], Any]) -> Callable[[], Any]:
+    """The entry point of the stage named `stage`, `run_stage(cfg, target_path)`: the target is
+    prepared first. The name comes from the caller: run as a script, a stage's module is
+    `__main__`, which names no stage."""
+    # A stage whose output is shared between runs (multirun, sweeps) waits for that folder's
+    # lock, as under workflows.full.
     def run(cfg):
         with RunLayout.of(cfg).shared_stage_lock(stage):
             return run_stage(cfg, prepare_for(cfg, log=log))

@@ -1,6 +1,7 @@
 """Target engines: one interface for every stage that runs the target.
 
-An engine is built from an `EngineSpec` by `make_engine(backend, spec)` and offers
+An engine is built from an `EngineSpec` (workflows.core.engine_spec) by `make_engine(backend, spec)`
+and offers
 
     tokenizer                                   the target's tokenizer
     generate(prompts, max_new_tokens, temperature, top_p) -> [(answer ids, "eos"|"length")]
@@ -19,30 +20,13 @@ generate (regeneration), capture (the store), train (online states) and evaluate
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from eagle3.target_features import FINAL_IS_NORMED, capture_batch, capture_states, pad_right
-
-
-@dataclass
-class EngineSpec:
-    target_path: str
-    dtype: str = "float32"
-    trust_remote_code: bool = False  # only where the target preset asks for it by name
-    threads: int = 0  # torch threads of this engine (0: torch's default)
-    device: str = "cpu"  # hf: where the model runs; sglang: "cpu" selects SGLang's CPU settings
-    layer_ids: list[int] = field(default_factory=list)  # capture ids (eagle3.layer_ids), for states()
-    micro_batch_tokens: int = 4096  # padded tokens per forward in states()
-    tp_size: int = 1  # sglang: tensor parallel ranks
-    seed: int = 0
-    max_total_tokens: int | None = 4096  # sglang: the KV pool (tokens); null: SGLang sizes it
-    # sglang states(): how the final hidden state comes back ("runner", what "auto" picks: SGLang's
-    # model runner returns it from the same forward; "tail"); workflows.core.sglang.
-    final_state: str = "auto"
-    timeout_s: float = 3600.0  # sglang states(): the capture worker's start, and each call
+from workflows.core.engine_spec import EngineSpec, micro_batches
+from workflows.core.targets import load_target
 
 
 def make_engine(backend: str, spec: EngineSpec):
@@ -50,7 +34,7 @@ def make_engine(backend: str, spec: EngineSpec):
 
 
 def engine_class(backend: str):
-    if backend == "sglang":
+    if backend == "sglang":  # imported on demand: the SGLang engine is optional, and only it needs it
         from workflows.core.sglang import SGLangEngine
 
         return SGLangEngine
@@ -59,27 +43,11 @@ def engine_class(backend: str):
     return HFEngine
 
 
-def micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
-    """Indices grouped by length (little padding), each group's padded size <= budget."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    groups, cur = [], []
-    for i in order:
-        if cur and lengths[i] * (len(cur) + 1) > token_budget:
-            groups.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        groups.append(cur)
-    return groups
-
-
 class HFEngine:
     backend = "hf"
     final_is_normed = FINAL_IS_NORMED
 
     def __init__(self, spec: EngineSpec):
-        from workflows.core.targets import load_target
-
         if spec.threads:
             torch.set_num_threads(spec.threads)
         self.spec = spec

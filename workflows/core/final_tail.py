@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from workflows.core.engine_spec import micro_batches
+
 
 class TailUnavailable(RuntimeError):
     """This checkpoint's last layer cannot be run alone here (the reason is the message)."""
@@ -114,8 +116,6 @@ class FinalLayerTail:
         """`__call__` for many sequences, right-padded into batches of about `token_budget`
         tokens. No mask is needed: SDPA attends causally when given none, and with padding on
         the right a real row only ever sees the real rows before it."""
-        from workflows.core.engines import micro_batches
-
         outs: list = [None] * len(inputs)
         normed: list = [None] * len(inputs)
         for idx in micro_batches([len(x) for x in inputs], token_budget):

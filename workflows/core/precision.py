@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import time
 
-from workflows.core.cli import log
+from workflows.core.log import log
 
 BF16_MIN_SPEEDUP = 1.25  # bf16 halves memory, but on a CPU only speed decides
 _SIZE, _SECONDS = 256, 0.05

@@ -8,12 +8,12 @@
   the path of CPU SGLang processes only (`with_shim`).
 * `SGLangEngine` implements the engine interface of workflows.core.engines. Generation runs
   an in-process Engine, created on first use and kept for the engine's life.
-* Hidden states come from a capture worker: a child process (`python -m
-  workflows.core.sglang ...`: SGLang sets process-wide state, and its scheduler can SIGKILL
-  its caller on an error) that the engine starts on its first `states()` call and keeps for
-  its life, i.e. one SGLang engine per Ray actor for the whole stage, answering requests over
-  a pipe. The request list applies each family's id rule (`eagle3.layer_ids.
-  sglang_capture_plan`). How the final hidden state comes back (`capture.final_state`):
+* Hidden states come from a capture worker (`workflows.core.sglang_worker`): a child process
+  (SGLang sets process-wide state, and its scheduler can SIGKILL its caller on an error) that
+  the engine starts on its first `states()` call and keeps for its life, i.e. one SGLang
+  engine per Ray actor for the whole stage, answering requests over a pipe. The request list
+  applies each family's id rule (`eagle3.layer_ids.sglang_capture_plan`). How the final
+  hidden state comes back (`capture.final_state`):
   - `runner` (what `auto` picks): the worker drives SGLang's ModelRunner itself
     (`workflows.core.sglang_runner`), which returns the aux and the final states of one
     forward as tensors; the arrays come back as one file per call, bf16 kept as bf16.
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from eagle3.layer_ids import sglang_capture_plan
 from eagle3.schema import ConfigError
-from workflows.core.engines import EngineSpec
+from workflows.core.engine_spec import EngineSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIM_DIR = ROOT / "workflows" / "sglang_cpu_shim"
@@ -146,6 +146,8 @@ class SGLangEngine:
     def _start_capture_worker(self) -> None:
         """The engine's child process, started once: it holds one SGLang engine for the
         life of this engine (the actor's stage) and answers capture requests over a pipe."""
+        # torch only once a capture starts: serving and the served check import this module's
+        # settings alone.
         from workflows.core.final_tail import FinalLayerTail, TailUnavailable
         from workflows.core.target_builders import torch_dtype
 
@@ -176,7 +178,7 @@ class SGLangEngine:
         env = with_shim(dict(os.environ)) if self.spec.device == "cpu" else dict(os.environ)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "workflows.core.sglang", str(spec_file), str(req_r), str(resp_w)],
+                [sys.executable, "-m", "workflows.core.sglang_worker", str(spec_file), str(req_r), str(resp_w)],
                 env=env, cwd=ROOT, pass_fds=(req_r, resp_w), stdout=self._stderr, stderr=self._stderr)
         except BaseException:
             for fd in (req_r, req_w, resp_r, resp_w):
@@ -322,98 +324,3 @@ def exit_with_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True).start()
-
-
-def _prefill_states(engine, seqs: list[list[int]]) -> list:
-    import numpy as np
-
-    outs = engine.generate(input_ids=seqs, sampling_params={"max_new_tokens": 1, "temperature": 0},
-                           return_hidden_states=True)
-    states = []
-    for seq, out in zip(seqs, outs):
-        prefill = np.asarray(out["meta_info"]["hidden_states"][0], dtype=np.float32)
-        if prefill.shape[0] != len(seq):
-            raise RuntimeError(f"SGLang returned {prefill.shape[0]} prefill states for {len(seq)} tokens "
-                               "(radix cache on?)")
-        states.append(prefill)
-    return states
-
-
-def _aux_engine(spec: EngineSpec, request: list[int]):
-    import sglang as sgl
-
-    return sgl.Engine(**engine_kwargs(spec, disable_radix_cache=True, enable_return_hidden_states=True,
-                                      enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
-                                      return_aux_hidden_state_layer_ids=request))
-
-
-def main(argv=None) -> None:
-    """python -m workflows.core.sglang <job.json> <request fd> <reply fd>: the capture worker.
-    It answers one JSON line per request ({"seqs": file, "out": file, "n": k}) with {"ok": true,
-    "n": k} once `out` holds the states (runner: `aux`, `final` for the whole call and their
-    `dtype`; tail: aux_<k> per sequence, float32), or {"error": ...};
-    at EOF on its request pipe (its parent closed it or died) it shuts the engine down."""
-    import traceback
-
-    import numpy as np
-
-    job_file, req_fd, reply_fd = sys.argv[1:] if argv is None else argv
-    job = json.loads(Path(job_file).read_text())
-    spec, method, request = EngineSpec(**job["spec"]), job["method"], job["request"]
-    requests, replies = os.fdopen(int(req_fd), "r"), os.fdopen(int(reply_fd), "w")
-
-    def reply(message: dict) -> None:
-        replies.write(json.dumps(message) + "\n")
-        replies.flush()
-
-    exit_with_parent()  # SGLang's own processes and the runner's TP ranks die with this one
-    engine = runner = None
-    followers = []
-    try:
-        if method == "runner":  # one runner (and its TP ranks) for the stage
-            from workflows.core import sglang_runner
-
-            runner, followers = sglang_runner.start(spec, request)
-        else:  # tail: one engine for the stage
-            engine = _aux_engine(spec, request)
-        reply({"ready": True})
-        for line in requests:
-            job = json.loads(line)
-            try:
-                seqs = json.loads(Path(job["seqs"]).read_text())
-                if runner is not None:
-                    states = runner.states(seqs, spec.micro_batch_tokens, capture=not job.get("bare"))
-                    if states is not None:
-                        np.savez(job["out"], **_as_arrays(*states))
-                elif job.get("bare"):  # the benchmark's baseline: the same prefill, no state returned
-                    engine.generate(input_ids=seqs, sampling_params={"max_new_tokens": 1, "temperature": 0})
-                else:
-                    np.savez(job["out"], **{f"aux_{k}": a for k, a in enumerate(_prefill_states(engine, seqs))})
-                reply({"ok": True, "n": job["n"]})
-            except Exception:
-                reply({"error": traceback.format_exc()[-3000:], "n": job.get("n")})
-    except Exception:
-        reply({"error": traceback.format_exc()[-3000:]})  # e.g. the engine failed to start
-    finally:
-        if engine is not None:
-            engine.shutdown()
-        if runner is not None:
-            runner.close()
-        for process in followers:
-            process.join(timeout=60)
-
-
-def _as_arrays(aux, final) -> dict:
-    """The runner's tensors as numpy arrays for the reply file; bf16 (which numpy lacks) as
-    its bit patterns, so a bf16 engine's states cross at half the bytes of float32."""
-    import torch
-
-    from storage.zarr_io import to_bf16_bits
-
-    if aux.dtype == torch.bfloat16:
-        return {"aux": to_bf16_bits(aux), "final": to_bf16_bits(final), "dtype": "bfloat16"}
-    return {"aux": aux.float().cpu().numpy(), "final": final.float().cpu().numpy(), "dtype": "float32"}
-
-
-if __name__ == "__main__":
-    main()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import multiprocessing
 
-from workflows.core.engines import EngineSpec
+from workflows.core.engine_spec import EngineSpec
 from workflows.core.sglang import engine_kwargs, exit_with_parent
 
 

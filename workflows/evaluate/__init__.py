@@ -47,4 +47,4 @@ Modules: `stage` (the run), `decoding` (offline walk, reference decoder, tempera
 from workflows.evaluate.decoding import (at_temperature, decode_all, decode_sampled, divergence,  # noqa: F401
                                          offline_acceptance)
 from workflows.evaluate.report import by_bucket, markdown  # noqa: F401
-from workflows.evaluate.stage import evaluation_dtype, heldout_rows, main, run  # noqa: F401
+from workflows.evaluate.stage import evaluation_dtype, heldout_rows, run  # noqa: F401

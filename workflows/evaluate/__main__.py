@@ -1,4 +1,6 @@
 """python -m workflows.evaluate [overrides]: the evaluate stage alone."""
-from workflows.evaluate.stage import main
+from workflows.core.cli import stage_main
+from workflows.evaluate.stage import run
 
-main()
+if __name__ == "__main__":
+    stage_main("evaluate", run)()

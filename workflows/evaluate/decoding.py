@@ -10,8 +10,8 @@ from eagle3.metrics import Acceptance, SlotCounts, acceptance, expected_acceptan
 from eagle3.spec_decode import Eagle3Drafter, SpeculativeDecoder, greedy_decode
 from eagle3.training import forward_batch
 from eagle3.ttt import TTTConfig, acceptance_rates_at
-from workflows.core.cli import log
 from workflows.core.config import FullConfig
+from workflows.core.log import log
 
 
 @torch.no_grad()

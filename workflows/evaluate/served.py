@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workflows.core.cli import log
 from workflows.core.config import FullConfig
 from workflows.core.errors import MissingArtefact, ServingError
 from workflows.core.layout import RunLayout
+from workflows.core.log import log
 from workflows.core.markers import read_marker
 from workflows.core.serving import ENGINES, ServeJob, available_engines, served_check, verdict
 

@@ -11,12 +11,13 @@ from eagle3.metrics import assistant_spans
 from eagle3.modeling import Eagle3Draft
 from eagle3.schema import to_dict
 from eagle3.target_head import TargetHead
-from workflows.core.cli import log, stage_main
 from workflows.core.config import FullConfig
 from workflows.core.draft_files import load_draft_config, load_draft_weights
-from workflows.core.engines import EngineSpec, HFEngine
+from workflows.core.engine_spec import EngineSpec
+from workflows.core.engines import HFEngine
 from workflows.core.errors import InputError
 from workflows.core.layout import RunLayout
+from workflows.core.log import log
 from workflows.core.markers import atomic_dir, mark_done, read_json, read_marker, stage_is_done, write_json_atomic
 from workflows.core.provenance import identity_for
 from workflows.core.sglang import speculative_args
@@ -207,6 +208,3 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     log(f"evaluate: acceptance offline {offline.walk:.3f} decoded {dec['acceptance']:.3f} parity "
         f"{report['parity_ratio']:.3f} lossless {dec['lossless']} speed-up {dec['speedup']:.2f} -> {out}")
     return out
-
-
-main = stage_main(run)

@@ -1,4 +1,6 @@
+"""python -m workflows.generate [overrides]: the generate stage alone."""
 from workflows.core.cli import stage_main
 from workflows.generate.stage import run
 
-stage_main(run)()
+if __name__ == "__main__":
+    stage_main("generate", run)()

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from eagle3.chat_template import (TemplateError, apply_length_policy, check_template, generation_prompt_ids,
                                   tokenize_conversation)
-from workflows.core.engines import EngineSpec, make_engine
+from workflows.core.engine_spec import EngineSpec
+from workflows.core.engines import make_engine
 from workflows.core.markers import atomic_file, write_json_atomic
 
 

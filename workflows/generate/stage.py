@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3.schema import ConfigError
-from workflows.core.cli import log
 from workflows.core.cluster import ensure_ray
 from workflows.core.config import FullConfig, resolve_data_path
 from workflows.core.layout import RunLayout
+from workflows.core.log import log
 from workflows.core.markers import (
     atomic_file,
     clear_done,

@@ -7,7 +7,8 @@ across the sides that state it; each disagreement is one line naming both sides.
 """
 from __future__ import annotations
 
-from workflows.core.cli import hydra_entry, log
+from workflows.core.cli import hydra_entry
+from workflows.core.log import log
 from workflows.core.targets import prepare_for
 from workflows.core.wiring import FIELDS, check, sides_for_run
 
@@ -24,8 +25,5 @@ def doctor(cfg) -> None:
     log(f"doctor: {len(sides)} sides agree on {', '.join(FIELDS)}")
 
 
-main = hydra_entry(doctor, lock=lambda cfg: False)
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # built only when run: importing this module registers nothing with Hydra
+    hydra_entry(doctor, lock=lambda cfg: False)()

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3.schema import ConfigError
-from workflows.core.cli import hydra_entry, log
+from workflows.core.cli import hydra_entry
 from workflows.core.errors import MissingArtefact
 from workflows.core.layout import RunLayout
+from workflows.core.log import log
 from workflows.core.markers import read_json
 from workflows.core.provenance import REDACTED
 from workflows.core.sglang import cpu_env, server_cpu_args, speculative_args
@@ -158,8 +159,5 @@ def serve(cfg) -> None:
         os.execvpe(argv[0], argv, {**os.environ, **env})
 
 
-main = hydra_entry(serve, lock=lambda cfg: False)
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # built only when run: importing this module registers nothing with Hydra
+    hydra_entry(serve, lock=lambda cfg: False)()

@@ -1,4 +1,6 @@
+"""python -m workflows.train [overrides]: the train stage alone."""
 from workflows.core.cli import stage_main
 from workflows.train.stage import run
 
-stage_main(run)()
+if __name__ == "__main__":
+    stage_main("train", run)()

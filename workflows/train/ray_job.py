@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workflows.core.cli import log
 from workflows.core.cluster import ensure_ray
 from workflows.core.errors import USER_ERRORS
+from workflows.core.log import log
 from workflows.train import checkpoint as ckpt
 from workflows.train.trainer import Trainer, TrainJob
 

@@ -32,11 +32,12 @@ import torch
 
 from eagle3.schema import ConfigError, to_dict
 from storage.store import StoreError
-from workflows.core.cli import log
 from workflows.core.config import FullConfig
-from workflows.core.engines import EngineSpec, HFEngine
+from workflows.core.engine_spec import EngineSpec
+from workflows.core.engines import HFEngine
 from workflows.core.errors import InputError
 from workflows.core.layout import RunLayout
+from workflows.core.log import log
 from workflows.core.markers import clear_done, mark_done, read_json, stage_is_done
 from workflows.core.precision import resolve
 from workflows.core.provenance import FINAL_IS_NORMED, capture_contract, draft_provenance, identity_for

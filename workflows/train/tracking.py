@@ -10,7 +10,7 @@ import os
 import uuid
 from pathlib import Path
 
-from workflows.core.cli import log
+from workflows.core.log import log
 from workflows.core.markers import write_bytes_atomic
 from workflows.core.provenance import redacted
 from workflows.core.stage_metrics import StageMetrics

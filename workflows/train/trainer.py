@@ -28,10 +28,10 @@ from eagle3.schema import from_dict
 from workflows.core.target_weights import read_embeddings, read_head_and_norm, read_target_head
 from eagle3.training import LoopHooks, PlainOptimizer, fit, make_optimizer
 from storage.reader import StoreReader
-from workflows.core.cli import log
 from workflows.core.config import FullConfig
 from workflows.core.draft_files import load_draft_weights, save_draft
 from workflows.core.layout import RunLayout
+from workflows.core.log import log
 from workflows.core.markers import atomic_dir, write_json_atomic
 from workflows.train import checkpoint as ckpt
 from workflows.train.data import BatchSettings, BatchStream, StreamPosition, eval_batches
