@@ -18,7 +18,7 @@ from workflows.capture import stage as capture
 from workflows.capture import plan as capture_plan
 from workflows.capture import sizing as capture_sizing
 from workflows.core.config import compose
-from workflows.core.errors import InputError
+from workflows.core.errors import USER_ERRORS, InputError, StageFailure
 from workflows.generate import stage as generate
 
 
@@ -59,7 +59,7 @@ def test_capture_is_bit_exact_and_resumes_after_a_crash(tiny_target, corpus, tmp
     n_shards = len(capture_plan.plan_shards(samples, 3)[0])
     # Every shard after the 3rd fails (twice: once, then its retry): 3 are committed, the
     # others are reported and the stage ends with an error naming them.
-    with pytest.raises(RuntimeError, match=f"{n_shards - 3} shard\\(s\\) failed twice.*simulated crash"):
+    with pytest.raises(StageFailure, match=f"{n_shards - 3} shard\\(s\\) failed twice.*simulated crash"):
         capture.run(cfg_for(tiny_target, run_dir, "capture.fail_after_shards=3"), tiny_target)
     failed = json.loads((run_dir / "capture" / "summary.json").read_text())["failed_shards"]
     assert len(failed) == n_shards - 3 and all("simulated crash" in f["error"] for f in failed)
@@ -114,9 +114,10 @@ def test_failing_shards_are_reported_and_only_they_rerun(tiny_target, corpus, tm
     bad = sorted([plans[1].name, plans[-1].name])  # a train shard and a held-out one
     assert bad[0].startswith("heldout-") and bad[1].startswith("train-")
     fault = "capture.fail_shards=[" + ",".join(f"'{n}'" for n in bad) + "]"
-    with pytest.raises(RuntimeError, match=r"2 shard\(s\) failed twice: \['heldout-.*', 'train-.*'\].*simulated "
-                                           "failure of shard"):
+    with pytest.raises(StageFailure, match=r"2 shard\(s\) failed twice: heldout-\S+, train-\S+; first error: "
+                                           r"simulated failure of shard.*rerun, which captures only these"):
         capture.run(cfg_for(tiny_target, run_dir, fault), tiny_target)
+    assert issubclass(StageFailure, USER_ERRORS)  # the entry points' one `error:` line, exit status 2
     summary = json.loads((run_dir / "capture" / "summary.json").read_text())
     assert sorted(f["shard"] for f in summary["failed_shards"]) == bad and summary["verify_ok"] is None
     assert summary["new_shards"] == len(plans) - 2 and summary["shards"] == len(plans) - 2
@@ -257,10 +258,20 @@ def test_estimate_and_space_refusal(tiny_target, tmp_path, capsys):
     est = capture_sizing.estimate(kimi, 88_000_000)
     assert est["bytes_per_token"] == 2 * 4 * 7168 + 5 == 57349
     assert est["projected_bytes"] == 57349 * 88_000_000  # ~5.05 TB (4.59 TiB)
-    assert est["projected"].startswith("5.047 TB (4.590 TiB)")
-    with pytest.raises(ConfigError, match="capture.store=.*needs ~5046.71 GB.*capture.ignore_space=true"):
+    assert est["projected"].startswith("5.05 TB (4.59 TiB)")
+    with pytest.raises(ConfigError, match="capture.store=.*needs ~5.05 TB.*capture.ignore_space=true"):
         capture_sizing.check_space(str(tmp_path / "store"), est["projected_bytes"], ignore=False)
     assert capture_sizing.check_space(str(tmp_path / "store"), est["projected_bytes"], ignore=True)["free_bytes"] > 0
+
+
+@pytest.mark.parametrize("needed, free, said", [(300_000, 120_000, "needs ~300 KB but .* has 120 KB free"),
+                                                 (4_200_000, 999, "needs ~4.2 MB but .* has 999 B free"),
+                                                 (7_340_000_000, 1_500_000_000, "needs ~7.34 GB but .* has 1.5 GB")])
+def test_the_space_refusal_speaks_in_the_unit_that_shows_the_sizes(tmp_path, monkeypatch, needed, free, said):
+    usage = type("usage", (), {"free": free, "total": 10 * free, "used": 9 * free})
+    monkeypatch.setattr(capture_sizing.shutil, "disk_usage", lambda _path: usage)
+    with pytest.raises(ConfigError, match=said):
+        capture_sizing.check_space(str(tmp_path / "store"), needed, ignore=False)
 
 
 def test_estimate_projects_wall_time_shards_manifest_and_driver_memory(tiny_target, tmp_path, capsys):

@@ -225,3 +225,34 @@ def test_sglang_backend_on_cpu_matches_hf(tiny_target, tmp_path):
     assert by_sglang.keys() == by_hf.keys() and len(by_hf) == 4
     same = sum(by_sglang[i]["input_ids"] == by_hf[i]["input_ids"] for i in by_hf)
     assert same >= 3, [(by_sglang[i]["answer"], by_hf[i]["answer"]) for i in by_hf]
+
+
+@pytest.mark.slow
+def test_a_shard_that_cannot_be_written_ends_in_one_line_and_the_rest_is_kept(tiny_target, tmp_path):
+    """A worker's write fails (here: a directory where the shard's file must go, as a full
+    disk or a read-only mount would): the stage ends with the project's error naming the
+    shard, its cause and what to do; the other shards stay committed and a rerun after the
+    fix regenerates only the failed one."""
+    from workflows.core.errors import USER_ERRORS, StageFailure
+    from workflows.core.markers import clear_done
+
+    cfg = tiny_cfg(tiny_target, tmp_path, "mixture=bundled", "data.limit=6", "data.heldout_fraction=0",
+                   "data.shard_size=2", "data.num_engines=1")
+    generate.run(cfg, tiny_target)
+    folder = tmp_path / "generate" / "shards"
+    # Shard 1 is lost (its files removed, the stage no longer done) and cannot be written again.
+    clear_done(tmp_path / "generate")
+    (folder / "00001.done.json").unlink()
+    (folder / "00001.parquet").unlink()
+    (folder / "00001.parquet").mkdir()
+    stamps = {m.name: m.stat().st_mtime_ns for m in folder.glob("*.done.json")}
+    with pytest.raises(StageFailure, match=r"generate: shard\(s\) \[1\] of .*shards did not finish: .*Is a "
+                                           r"directory.*rerun, which regenerates only the others") as failure:
+        generate.run(cfg, tiny_target)
+    assert isinstance(failure.value, USER_ERRORS) and "\n" not in str(failure.value)
+    assert {m.name: m.stat().st_mtime_ns for m in folder.glob("*.done.json")} == stamps  # kept, untouched
+    (folder / "00001.parquet").rmdir()
+    generate.run(cfg, tiny_target)
+    assert sorted(m.name for m in folder.glob("*.done.json")) == ["00000.done.json", "00001.done.json",
+                                                                   "00002.done.json"]
+    assert all(folder.joinpath(n).stat().st_mtime_ns == t for n, t in stamps.items())

@@ -364,3 +364,19 @@ def test_kimi_public_mixture_is_nine_hub_datasets_and_offline_says_which(tmp_pat
     with pytest.raises(ingest.IngestError, match=r"^mixture.ultrachat: hf://datasets/HuggingFaceH4/ultrachat_200k/"
                                                  r"data/train_sft-\*.parquet: cannot list the files \(.*offline"):
         stage.ingest_mixture(compose("+experiment=kimi_k25", f"cache_dir={tmp_path}"))
+
+
+def test_a_lone_surrogate_is_a_counted_skip_naming_its_line(tmp_path):
+    """`"\\ud800"` is valid JSON but not text (no UTF-8 for it): a counted skip whose first
+    location is logged, not a bare UnicodeEncodeError; the records beside it are kept."""
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"prompt": "fine"}\n'
+                    '{"messages": [{"role": "user", "content": "an emoji cut in half: \\ud83d"}]}\n'
+                    '{"id": "x\\udfff", "prompt": "a broken id"}\n'
+                    '{"prompt": "also fine"}\n')
+    logs = []
+    rows, counts = ingest.ingest_dataset("d", str(path), "auto", "auto", None, 1.0, "auto", 0.0, set(), logs.append)
+    assert [r["messages"][0]["content"] for r in rows] == ["fine", "also fine"]
+    assert counts["skipped_lone_surrogate"] == 2 and counts["records"] == 4
+    assert logs == [f"ingest d: skipped 2 record(s) for lone_surrogate, first at {path}:2 turn 0 content: a lone "
+                    "UTF-16 surrogate (a broken emoji?)"]

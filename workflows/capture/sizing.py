@@ -27,7 +27,15 @@ def estimate(cfg: FullConfig, tokens: int) -> dict:
     return {"target": cfg.target.name, "num_layers": cfg.target.num_layers, "hidden_size": h,
             "capture_layer_ids": cfg.target.capture_ids, "states_per_token": f"{n_aux} aux + final",
             "bytes_per_token": per_token, "tokens": tokens, "projected_bytes": per_token * tokens,
-            "projected": f"{per_token * tokens / 1e12:.3f} TB ({per_token * tokens / 2**40:.3f} TiB)"}
+            "projected": f"{human_bytes(per_token * tokens)} ({per_token * tokens / 2**40:.3g} TiB)"}
+
+
+def human_bytes(n: float) -> str:
+    """Bytes in the decimal unit that shows them with three significant digits (400 KB, 1.27 TB)."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{int(n)} B"
 
 
 def check_space(dest: str, needed: int, ignore: bool) -> dict:
@@ -40,7 +48,7 @@ def check_space(dest: str, needed: int, ignore: bool) -> dict:
     free = shutil.disk_usage(probe).free
     if needed > free and not ignore:
         raise ConfigError(
-            f"capture.store={dest}: the capture needs ~{needed / 1e9:.2f} GB but {probe} has {free / 1e9:.2f} GB "
+            f"capture.store={dest}: the capture needs ~{human_bytes(needed)} but {probe} has {human_bytes(free)} "
             "free; free space, choose another capture.store, or set capture.ignore_space=true"
         )
     return {"free_bytes": free, "needed_bytes": needed, "enough": needed <= free}

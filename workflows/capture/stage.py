@@ -38,7 +38,7 @@ from workflows.core.cluster import ensure_ray
 from workflows.core.config import FullConfig
 from workflows.core.engine_spec import EngineSpec
 from workflows.core.engines import engine_class
-from workflows.core.errors import InputError
+from workflows.core.errors import InputError, StageFailure
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
 from workflows.core.markers import (
@@ -103,6 +103,12 @@ class CaptureActor:
                 self.metrics["bytes"].inc(r["nbytes"], tags=tags)
                 self.metrics["tps"].set(r["n_tokens"] / max(r["compute_seconds"], 1e-9), tags=tags)
         return {k: np.array([r[k] for r in rows], dtype=object) for k in rows[0]}
+
+
+def shown(names: list[str], first: int = 8) -> str:
+    """The first names of a long list, and how many more: one line even for 10,000 shards."""
+    more = f" and {len(names) - first} more" if len(names) > first else ""
+    return ", ".join(names[:first]) + more
 
 
 def _metrics():
@@ -190,15 +196,16 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     if result.failed:  # the other shards are committed; a rerun retries only these
         write_json_atomic(out / "summary.json", {**summary, "verify_ok": None})
         names = [f["shard"] for f in result.failed]
-        raise RuntimeError(f"capture: {len(names)} shard(s) failed twice: {names}; first error: "
-                           f"{result.failed[0]['error']}; the others are committed and a rerun retries only "
-                           f"these; see {out / 'summary.json'}")
+        raise StageFailure(f"capture: {len(names)} shard(s) failed twice: {shown(names)}; first error: "
+                           f"{result.failed[0]['error']}; the others are committed: fix the cause (free space, "
+                           f"a dead node) and rerun, which captures only these; details in {out / 'summary.json'}")
     report = verify(url, c.storage_options)
     summary["verify_ok"] = report["ok"]
     write_json_atomic(out / "summary.json", {**summary, "verify": report})
     if not report["ok"]:
-        raise RuntimeError(f"capture: verify found {len(report['problems'])} problem(s), first: "
-                           f"{report['problems'][0]}; see {out / 'summary.json'}")
+        raise StageFailure(f"capture: verify found {len(report['problems'])} problem(s), first: "
+                           f"{report['problems'][0]}; see {out / 'summary.json'}; `python -m storage.verify "
+                           f"{url}` lists them, and a rerun with capture.store moved away captures afresh")
     mark_done(out, key, summary)
     log(f"capture: {summary['samples']} samples, {summary['tokens']} tokens in {summary['shards']} shards; "
         f"per actor {per_actor}; verify clean")

@@ -23,4 +23,10 @@ class ServingError(RuntimeError):
     time): names the engine, the draft and how it ended, with the end of its log."""
 
 
-USER_ERRORS = (ConfigError, TemplateError, StoreError, InputError, ServingError)
+class StageFailure(RuntimeError):
+    """Work units of a stage failed (after their retries) while the rest finished and was
+    kept: names the units, the first cause, where the details are and what to do (a rerun
+    redoes only the failed ones)."""
+
+
+USER_ERRORS = (ConfigError, TemplateError, StoreError, InputError, ServingError, StageFailure)

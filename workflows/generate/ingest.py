@@ -25,7 +25,8 @@ What is fatal and what is skipped (nothing is dropped silently):
   not UTF-8, a record that is not an object or lacks the format's field, an unreadable file.
 * counted skips, by reason, in the accounting table (first location of each logged):
   `empty_conversation` (no turns, or no user turn), `missing_role_or_content`,
-  `unknown_role`, `non_alternating_roles`, `empty_prompt`, `duplicate`, `weight_sampled_out`;
+  `unknown_role`, `non_alternating_roles`, `empty_prompt`, `duplicate`, `weight_sampled_out`,
+  `lone_surrogate` (a `\ud800`-style escape: valid JSON, but not text any tokenizer takes);
   and `non_text_part`, which counts *parts* (images, audio, ...) dropped from the
   content lists of conversations that were kept (the conversation itself is kept). A turn
   whose list has no text part at all is a `missing_role_or_content` skip of its record.
@@ -230,6 +231,11 @@ def normalise(record: Any, fmt: str, location: str, prompt_field: str = "prompt"
         messages = [{"role": "user", "content": record[key], "reasoning_content": None}]
         if isinstance(record.get("system"), str) and record["system"].strip():
             messages.insert(0, {"role": "system", "content": record["system"], "reasoning_content": None})
+    for k, m in enumerate(messages):
+        for name in ("content", "reasoning_content"):
+            if m[name] is not None and not _encodable(m[name]):
+                # Valid JSON ("\ud800") but no text: it can be neither tokenized nor stored.
+                raise Skip("lone_surrogate", f"turn {k} {name}: a lone UTF-16 surrogate (a broken emoji?)")
     body = messages[1:] if messages[0]["role"] == "system" else messages
     if not any(m["role"] == "user" for m in body):
         raise Skip("empty_conversation", "no user turn")
@@ -238,6 +244,14 @@ def normalise(record: Any, fmt: str, location: str, prompt_field: str = "prompt"
         if m["role"] != expected:
             raise Skip("non_alternating_roles", f"turn {k} is {m['role']}, expected {expected}")
     return messages, dropped
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def prompt_key(messages: list[dict]) -> str:
@@ -272,6 +286,8 @@ def ingest_dataset(name: str, path: str, fmt: str, file_type: str, limit: int | 
         counts["records"] += 1
         try:
             messages, dropped_parts = normalise(record, fmt, location, prompt_field)
+            if isinstance(record.get("id"), str) and not _encodable(record["id"]):
+                raise Skip("lone_surrogate", "field 'id': a lone UTF-16 surrogate")
         except Skip as skip:
             counts[f"skipped_{skip.reason}"] += 1
             first_seen.setdefault(skip.reason, f"{location} {skip.detail}".strip())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Callable
 from eagle3.schema import ConfigError
 from workflows.core.cluster import ensure_ray
 from workflows.core.config import FullConfig, resolve_data_path
+from workflows.core.errors import USER_ERRORS, StageFailure
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
 from workflows.core.markers import (
@@ -143,16 +145,41 @@ def regenerate_shards(cfg: FullConfig, target_path: Path, plans: list[dict], lay
     conversations = StageMetrics("generate", "conversations", total=sum(p["stop"] - p["start"] for p in plans))
     answers = StageMetrics("generate", "answer_tokens")
     left = {p["shard"] for p in plans}
-    for record in ds.iter_rows():
-        k = int(record["shard"])
-        left.discard(k)
-        conversations.advance(int(record["conversations"]))
-        answers.advance(int(record["answer_tokens"]))
-        log(f"generate: committed shard {k} ({record['rows']} conversations)")
-        if on_commit is not None:
-            on_commit(k)
+    try:
+        for record in ds.iter_rows():
+            k = int(record["shard"])
+            left.discard(k)
+            conversations.advance(int(record["conversations"]))
+            answers.advance(int(record["answer_tokens"]))
+            log(f"generate: committed shard {k} ({record['rows']} conversations)")
+            if on_commit is not None:
+                on_commit(k)
+    except USER_ERRORS:
+        raise
+    except Exception as exc:  # a worker's failure, wrapped by Ray: its cause is the last line
+        raise StageFailure(
+            f"generate: shard(s) {sorted(left)[:8]}{' and more' if len(left) > 8 else ''} of "
+            f"{layout.corpus_shards} did not finish: {root_cause(exc)}; the {len(plans) - len(left)} committed "
+            "this run are kept: fix the cause (free space, a dead node) and rerun, which regenerates only the "
+            "others (the worker's traceback is in the log above)") from exc
     if left:
-        raise RuntimeError(f"generate: shards {sorted(left)} never came back from Ray Data")
+        raise StageFailure(f"generate: shards {sorted(left)} never came back from Ray Data; rerun to regenerate them")
+
+
+def root_cause(exc: BaseException) -> str:
+    """What actually failed in a worker, from the error Ray wraps it in: the innermost cause
+    where Ray kept it, else the last line of Ray's text naming an exception that is not
+    Ray's own (Ray's text holds the worker's traceback, then its wrapping and its hints)."""
+    inner = exc
+    while inner.__cause__ is not None:
+        inner = inner.__cause__
+    if not type(inner).__module__.startswith("ray"):
+        text = str(inner).strip().splitlines()
+        return f"{type(inner).__name__}: {text[0] if text else ''}"[:400]
+    lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b", line)]
+    original = [line for line in named if not line.startswith("ray.")]  # not Ray's own wrapping
+    return ((original or named or lines or [type(inner).__name__])[-1])[:400]
 
 
 # ----------------------------------------------------------------------------- accounting
