@@ -30,7 +30,6 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
-ROLES = ("system", "user", "assistant")
 THINK_OPEN, THINK_CLOSE = "<think>\n", "\n</think>\n\n"
 
 

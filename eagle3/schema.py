@@ -130,3 +130,26 @@ def _describe(rule: str) -> str:
 def to_dict(obj: Any) -> dict:
     """A plain, JSON-ready dict of a config dataclass (for provenance records)."""
     return dataclasses.asdict(obj)
+
+
+# The mark of a setting that changes how fast a stage runs, where it writes or how it is
+# watched, never what it writes: `field(default=..., metadata=NOT_OUTPUT)`. Every stage's
+# hashes and done-keys are made of `output_dict`, so changing such a setting reuses the
+# finished work (a raised timeout must not re-capture a store of terabytes).
+NOT_OUTPUT = {"affects_output": False}
+
+
+def affects_output(f: dataclasses.Field) -> bool:
+    return f.metadata.get("affects_output", True)
+
+
+def output_dict(obj: Any) -> Any:
+    """`to_dict` without the fields marked NOT_OUTPUT, at every depth (nested sections, and
+    maps or lists of them)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: output_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if affects_output(f)}
+    if isinstance(obj, dict):
+        return {k: output_dict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [output_dict(v) for v in obj]
+    return obj

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
 from eagle3.layer_ids import default_capture_ids, validate_capture_ids
-from eagle3.schema import ConfigError
+from eagle3.schema import NOT_OUTPUT, ConfigError
 
 
 @dataclass
@@ -39,7 +39,7 @@ class TargetSpec:
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     # Environment of the serving engine's processes (NCCL settings etc.); its values are never
     # recorded or printed (they may hold tokens).
-    env: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, Any] = field(default_factory=dict, metadata=NOT_OUTPUT)
     # Seed of the tiny random target (source=tiny_trained only).
     seed: int = 0
 

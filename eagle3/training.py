@@ -21,7 +21,7 @@ import torch
 from eagle3.metrics import acceptance
 from eagle3.modeling import Eagle3Draft
 from eagle3.objectives import ObjectiveConfig
-from eagle3.schema import ConfigError, check_ranges
+from eagle3.schema import NOT_OUTPUT, ConfigError, check_ranges
 from eagle3.target_head import TargetHead
 from eagle3.ttt import TTTConfig, add_noise, score_steps, step_weights, unroll
 
@@ -56,7 +56,7 @@ class LoopConfig:
     # without bf16 units many times slower (bench/bench_train_step.py); fp32 is exact.
     compute_dtype: Literal["bfloat16", "float32"] = "float32"
     acceptance_k: int = 4  # draft tokens per target pass in the simulated acceptance
-    log_every: int = 25
+    log_every: int = field(default=25, metadata=NOT_OUTPUT)
     eval_every: int = 100  # held-out evaluation, steps (and at the end, and at each checkpoint)
     checkpoint_every: int = 100  # steps; 0 = only at the end
     seed: int = 0

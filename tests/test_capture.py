@@ -104,8 +104,13 @@ def test_capture_is_bit_exact_and_resumes_after_a_crash(tiny_target, corpus, tmp
         torch.testing.assert_close(got["aux"].float(), aux[0].to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2)
         torch.testing.assert_close(got["final"].float(), final[0].to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2)
 
-    # A rerun reuses the finished stage.
-    assert capture.run(cfg_for(tiny_target, run_dir), tiny_target) == run_dir / "capture"
+    # A rerun reuses the finished stage, also with settings that change how it runs, not
+    # what it writes (eagle3.schema.NOT_OUTPUT): nothing is captured or verified again.
+    done = (run_dir / "capture" / "DONE.json").stat().st_mtime_ns
+    for extra in ((), ("capture.engine_timeout_s=60", "capture.max_actor_restarts=0", "capture.micro_batch_tokens=512",
+                       "capture.shards_per_call=1", "capture.cpus_per_actor=0.5")):
+        assert capture.run(cfg_for(tiny_target, run_dir, *extra), tiny_target) == run_dir / "capture"
+    assert (run_dir / "capture" / "DONE.json").stat().st_mtime_ns == done
 
 
 def test_failing_shards_are_reported_and_only_they_rerun(tiny_target, corpus, tmp_path, ray_local):
@@ -114,7 +119,7 @@ def test_failing_shards_are_reported_and_only_they_rerun(tiny_target, corpus, tm
     bad = sorted([plans[1].name, plans[-1].name])  # a train shard and a held-out one
     assert bad[0].startswith("heldout-") and bad[1].startswith("train-")
     fault = "capture.fail_shards=[" + ",".join(f"'{n}'" for n in bad) + "]"
-    with pytest.raises(StageFailure, match=r"2 shard\(s\) failed twice: heldout-\S+, train-\S+; first error: "
+    with pytest.raises(StageFailure, match=r"2 shard\(s\) failed twice: heldout-\S+, train-\S+; first error: .*"
                                            r"simulated failure of shard.*rerun, which captures only these"):
         capture.run(cfg_for(tiny_target, run_dir, fault), tiny_target)
     assert issubclass(StageFailure, USER_ERRORS)  # the entry points' one `error:` line, exit status 2

@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 
 from eagle3.layer_ids import validate_capture_ids
-from eagle3.schema import ConfigError
+from eagle3.schema import ConfigError, output_dict
 from storage.store import HiddenStateStore
 from storage.verify import verify
 from workflows.capture.plan import plan_corpus, select_plans
@@ -164,7 +164,10 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         raise InputError(f"{layout.corpus_shards}: the corpus has no non-empty sample to capture")
     plan = {"shard_samples": c.shard_samples, "corpus_sha256": corpus_sha}
     prov = store_provenance(cfg, identity_for(cfg, target_path), plan, engine_class(c.backend).version())
-    key = {**{k: v for k, v in prov.items() if k != "code_version"}, "store": url, **layout.chain("generate")}
+    # The provenance records the whole capture config; the key holds its output settings
+    # only (eagle3.schema.NOT_OUTPUT: a raised timeout or more actors reuse the store).
+    key = {**{k: v for k, v in prov.items() if k not in ("code_version", "config")}, "config": output_dict(c),
+           "store": url, **layout.chain("generate")}
     if stage_is_done(out, key):
         log(f"capture: reusing {url}")
         return out

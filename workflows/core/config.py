@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from eagle3.draft_config import DraftConfig
-from eagle3.schema import ConfigError, check_ranges, from_dict
+from eagle3.schema import NOT_OUTPUT, ConfigError, check_ranges, from_dict
 from eagle3.target_spec import TargetSpec
 from eagle3.training import LoopConfig
 
@@ -97,8 +97,8 @@ class DataSection:
     # decoding: on a 2-core EPYC (fp32, 32 rows, each measured alone) one thread decoded 57
     # answer tokens/s and two threads 77, so the cores go to separate engines. GPU presets
     # set one engine per TP group.
-    num_engines: int = 2
-    threads_per_engine: int = 0  # 0: the machine's cores divided by the engines started
+    num_engines: int = field(default=2, metadata=NOT_OUTPUT)
+    threads_per_engine: int = field(default=0, metadata=NOT_OUTPUT)  # 0: the machine's cores divided by the engines started
     # GPUs each engine actor holds (Ray places it on one node with them); > 0 runs the engine
     # on them: SGLang with tp_size = target.tp_size GPUs, HF on its one GPU. 0: the CPU.
     gpus_per_engine: float = 0
@@ -152,12 +152,12 @@ class TrainSection(LoopConfig):
     max_seq_len: int = 2048  # longer samples are truncated, and counted in metrics.json
     rows_per_batch: int = 1  # packed rows per micro-batch
     shuffle_window: int = 256  # samples batched together before their batches are shuffled
-    prefetch_batches: int = 4  # batches the loader keeps ready
+    prefetch_batches: int = field(default=4, metadata=NOT_OUTPUT)  # batches the loader keeps ready
     # Held-out samples each evaluation reads (the first in store order): rank 0 evaluates
     # while the other ranks wait, so at scale a full pass could cost more than the training.
     eval_max_samples: int = 512
-    keep_checkpoints: int = 2  # best by held-out walk acceptance; the latest is always kept
-    resume: bool = True  # false: discard this run folder's checkpoints and start afresh
+    keep_checkpoints: int = field(default=2, metadata=NOT_OUTPUT)  # best by held-out walk acceptance; the latest is always kept
+    resume: bool = field(default=True, metadata=NOT_OUTPUT)  # false: discard this run folder's checkpoints and start afresh
     init_from: str | None = None  # warm start: a draft folder's weights only
     on_corrupt_shard: Literal["error", "skip"] = "error"  # skip: counted in metrics.json
     device: str = "cpu"  # the local backend's device
@@ -188,15 +188,15 @@ class CaptureSection:
     """Hidden-state capture into the Zarr store (see workflows.capture, storage/)."""
 
     backend: Literal["hf", "sglang"] = "hf"
-    store: str | None = None  # local path or fsspec URL; null: <run_dir>/store
+    store: str | None = field(default=None, metadata=NOT_OUTPUT)  # local path or fsspec URL; null: <run_dir>/store
     # fsspec options (endpoint, credentials, ...): never written to provenance, W&B or logs.
-    storage_options: dict[str, Any] = field(default_factory=dict)
+    storage_options: dict[str, Any] = field(default_factory=dict, metadata=NOT_OUTPUT)
     shard_samples: int = 64  # samples per capture shard (fixed by the corpus: resume unit)
-    shards_per_call: int = 2  # shards per actor call (writes overlap the next shard's compute)
-    micro_batch_tokens: int = 4096  # padded tokens per forward
-    actors: int = 1
-    cpus_per_actor: float = 1.0
-    gpus_per_actor: float = 0.0  # GPU presets: the target's tp_size (one actor per TP group)
+    shards_per_call: int = field(default=2, metadata=NOT_OUTPUT)  # shards per actor call (writes overlap the next shard's compute)
+    micro_batch_tokens: int = field(default=4096, metadata=NOT_OUTPUT)  # padded tokens per forward
+    actors: int = field(default=1, metadata=NOT_OUTPUT)
+    cpus_per_actor: float = field(default=1.0, metadata=NOT_OUTPUT)
+    gpus_per_actor: float = field(default=0.0, metadata=NOT_OUTPUT)  # GPU presets: the target's tp_size (one actor per TP group)
     dtype: DTYPE = "auto"  # the engines' dtype
     # SGLang: how the final hidden state comes back with the aux states. "runner" (auto): SGLang's
     # model runner, driven by the capture worker, returns both from one forward as tensors;
@@ -205,22 +205,22 @@ class CaptureSection:
     final_state: Literal["auto", "runner", "tail"] = "auto"
     # SGLang: seconds its capture worker may take to start (a TP-8 load of a 1T checkpoint from
     # network storage takes tens of minutes) or to answer one call, before the actor gives up
-    engine_timeout_s: float = 3600.0
+    engine_timeout_s: float = field(default=3600.0, metadata=NOT_OUTPUT)
     chunk_mb: float = 1.0  # Zarr chunk size of the state arrays (one Zarr shard file per array)
     compression: str = "none"  # or zstd[:level] (~1.28x on bf16 states, much slower)
-    estimate_only: bool = False  # print bytes/token and the projected size, capture nothing
-    estimate_tokens: int | None = None  # for estimate_only without a corpus (e.g. 88000000)
+    estimate_only: bool = field(default=False, metadata=NOT_OUTPUT)  # print bytes/token and the projected size, capture nothing
+    estimate_tokens: int | None = field(default=None, metadata=NOT_OUTPUT)  # for estimate_only without a corpus (e.g. 88000000)
     # estimate_only's wall-time projection: tokens/s of one capture actor (null: measured, the last
     # capture/summary.json's per-actor mean) and answer tokens/s of one generate engine
-    estimate_capture_tokens_per_s: float | None = None
-    estimate_generate_tokens_per_s: float | None = None
-    ignore_space: bool = False  # start even when the destination lacks the projected space
+    estimate_capture_tokens_per_s: float | None = field(default=None, metadata=NOT_OUTPUT)
+    estimate_generate_tokens_per_s: float | None = field(default=None, metadata=NOT_OUTPUT)
+    ignore_space: bool = field(default=False, metadata=NOT_OUTPUT)  # start even when the destination lacks the projected space
     fail_after_shards: int | None = None  # fault injection for resume tests; keep null
     # fault injection for the failure tests: shards whose name starts with one of these fail every time
     fail_shards: list[str] = field(default_factory=list)
     # fault injection: the actor process exits (as if killed) the first time it meets one of these
     die_in_shards: list[str] = field(default_factory=list)
-    max_actor_restarts: int = 3  # a dead capture actor is restarted and its batch re-run, this many times
+    max_actor_restarts: int = field(default=3, metadata=NOT_OUTPUT)  # a dead capture actor is restarted and its batch re-run, this many times
 
     def validate(self, where: str = "capture") -> None:
         check_ranges(self, where, shard_samples=">=1", shards_per_call=">=1", micro_batch_tokens=">=1",

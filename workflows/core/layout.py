@@ -29,37 +29,29 @@ message that says how to run it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from eagle3.schema import output_dict
 from workflows.core.errors import MissingArtefact
 from workflows.core.markers import config_hash, exclusive_lock, folder_lock, marker_key, read_json
 
 STAGE_DIRS = {"generate": "generate", "capture": "capture", "vocab": "vocab", "train": "train",
               "export": "export", "evaluate": "report"}
 SHARED_STAGES = ("generate", "capture", "vocab")  # the stages runs can share (see shared_dirs)
-# Settings that change how fast a stage runs or where it writes, never what it writes:
-# left out of the shared folders' hashes (the stages' own DONE keys still check everything).
-_NOT_OUTPUT = {"data": ("num_engines", "threads_per_engine"),
-               "capture": ("store", "storage_options", "shards_per_call", "actors", "cpus_per_actor",
-                           "gpus_per_actor", "estimate_only", "estimate_tokens", "ignore_space",
-                           "fail_after_shards"),
-               "target": ("env",)}
-
-
 def _section(cfg, name: str, *also_drop: str) -> dict:
-    drop = (*_NOT_OUTPUT.get(name, ()), *also_drop)
-    return {k: v for k, v in dataclasses.asdict(getattr(cfg, name)).items() if k not in drop}
+    """A config section as the shared folders' hashes see it: its output settings only
+    (eagle3.schema.NOT_OUTPUT marks the others; the stages' own done-keys are built alike)."""
+    return {k: v for k, v in output_dict(getattr(cfg, name)).items() if k not in also_drop}
 
 
 def shared_hashes(cfg) -> dict[str, str]:
     """Stage -> the hash naming its shared folder: the config that determines its output,
     chained with its upstream stage's hash (a new corpus means a new store and vocab)."""
     generate = config_hash({"target": _section(cfg, "target", "capture_layer_ids"), "data": _section(cfg, "data"),
-                            "mixture": {k: dataclasses.asdict(v) for k, v in cfg.mixture.items()},
+                            "mixture": output_dict(dict(cfg.mixture)),
                             "seed": cfg.seed})
     capture = config_hash({"generate": generate, "target": _section(cfg, "target"),
                            "capture_ids": cfg.target.capture_ids, "capture": _section(cfg, "capture")})

@@ -27,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-from eagle3.schema import ConfigError
+from eagle3.schema import ConfigError, output_dict
 from workflows.core.cluster import ensure_ray
 from workflows.core.config import FullConfig, resolve_data_path
 from workflows.core.errors import USER_ERRORS, StageFailure
@@ -47,7 +47,7 @@ from workflows.core.precision import resolve
 from workflows.core.provenance import identity_for
 from workflows.core.stage_metrics import StageMetrics
 from workflows.generate import ingest, offline_sources
-from workflows.generate.regenerate import ShardRegenerator, commit_shard_files
+from workflows.generate.regenerate import ShardRegenerator
 
 # ----------------------------------------------------------------------------- ingestion
 
@@ -89,11 +89,6 @@ def _ingest_one(cfg: FullConfig, name: str, spec, seen: set[str]) -> tuple[list[
 
 
 # ----------------------------------------------------------------------------- shards
-
-
-def commit_shard(layout: RunLayout, index: int, rows: list[dict]) -> dict:
-    """Write one shard's ok rows (Parquet, renamed into place), then its marker with counts."""
-    return commit_shard_files(layout.corpus_shards, index, rows)
 
 
 def engine_device(cfg: FullConfig) -> str:
@@ -221,7 +216,7 @@ def run(cfg: FullConfig, target_path: Path, on_commit: Callable[[int], None] | N
     if not rows:
         raise ingest.IngestError(f"generate: the mixture {list(cfg.mixture)} yields no usable conversation:\n"
                                  + json.dumps({k: dict(v) for k, v in ingest_counts.items()}, indent=1))
-    data = {k: v for k, v in vars(cfg.data).items() if k not in ("num_engines", "threads_per_engine")}
+    data = output_dict(cfg.data)
     data["dtype"] = resolve(cfg.data.dtype, engine_device(cfg))  # what the engines compute in here
     key = {"data": data, "target": identity_for(cfg, target_path), "seed": cfg.seed,
            "prompts": config_hash({"rows": [[r["id"], r["split"], r["messages"]] for r in rows]})}

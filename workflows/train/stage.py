@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.schema import ConfigError, to_dict
+from eagle3.schema import ConfigError, output_dict, to_dict
 from storage.store import StoreError
 from workflows.core.config import FullConfig
 from workflows.core.engine_spec import EngineSpec
@@ -104,11 +104,9 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     out = layout.stage_dir("train")
     _, vocab_summary = layout.read_vocab()
     identity = identity_for(cfg, target_path)
-    key = {"train": to_dict(cfg.train), "draft": to_dict(cfg.draft), "seed": cfg.seed, "target": identity,
+    key = {"train": output_dict(cfg.train), "draft": output_dict(cfg.draft), "seed": cfg.seed, "target": identity,
            "capture_layer_ids": cfg.target.capture_ids,
            **layout.chain("generate", "vocab", *(["capture"] if source == "store" else []))}
-    for volatile in ("resume", "prefetch_batches", "log_every"):  # change nothing trained
-        key["train"].pop(volatile, None)
     if stage_is_done(out, key):
         log(f"train: reusing {out}")
         return out

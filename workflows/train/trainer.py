@@ -18,7 +18,7 @@ workers that may run on another node of the cluster.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -53,7 +53,6 @@ class TrainJob:
     heldout_shards: list[str]
     backend: str  # "deepspeed" (a Ray Train worker) or "plain" (this process)
     pad_id: int = 0
-    extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
