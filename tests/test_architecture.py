@@ -6,6 +6,8 @@
 * `workflows.core` imports no stage, tool or `workflows.full`; a tool imports no stage.
 * `eagle3/` is the model and its maths: the standard library, torch and transformers only.
 * `storage/` imports no other package of the project.
+* No import cycle among the modules of eagle3, storage and workflows (imports inside
+  functions included).
 * Importing a module of `workflows` builds no entry point: Hydra's is built only when a
   stage, a tool or `workflows.full` runs as a script (`if __name__ == "__main__"`).
 """
@@ -165,3 +167,52 @@ def test_importing_a_module_builds_no_entry_point():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {}
+
+
+def import_cycles(root: Path) -> list[list[str]]:
+    """Cycles among the project's modules (eagle3, storage, workflows), imports inside
+    functions included: a cycle hidden by a late import is still one."""
+    files = {module_name(p, root): p for top in ("eagle3", "storage", "workflows") for p in (root / top).rglob("*.py")
+             if "sglang_cpu_shim" not in p.parts}
+    graph = {}
+    for name, path in files.items():
+        targets = set()
+        for _, module in imports(path, root):
+            while module and module not in files:  # `from a.b import name`: the module a.b
+                module = module.rpartition(".")[0]
+            if module and module != name and not name.startswith(module + "."):  # a package's own __init__
+                targets.add(module)
+        graph[name] = targets
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    return cycles
+
+
+def test_no_import_cycle():
+    assert import_cycles(ROOT) == []
+
+
+def test_the_cycle_check_finds_a_cycle_hidden_in_a_function(tmp_path):
+    core = tmp_path / "workflows" / "core"
+    core.mkdir(parents=True)
+    for init in (tmp_path / "workflows" / "__init__.py", core / "__init__.py"):
+        init.touch()
+    (core / "a.py").write_text("from workflows.core.b import x\n")
+    (core / "b.py").write_text("def f():\n    from workflows.core.a import y\n")
+    assert import_cycles(tmp_path) == [["workflows.core.a", "workflows.core.b", "workflows.core.a"]]
+    (core / "b.py").write_text("def f():\n    return 1\n")
+    assert import_cycles(tmp_path) == []
