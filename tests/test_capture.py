@@ -13,6 +13,7 @@ from eagle3.target_features import capture_states
 from storage.reader import StoreReader
 from storage.store import ProvenanceMismatch
 from storage.verify import verify
+from tests.faults import capture_faults
 from tests.helpers import corpus_rows
 from workflows.capture import stage as capture
 from workflows.capture import plan as capture_plan
@@ -59,8 +60,9 @@ def test_capture_is_bit_exact_and_resumes_after_a_crash(tiny_target, corpus, tmp
     n_shards = len(capture_plan.plan_shards(samples, 3)[0])
     # Every shard after the 3rd fails (twice: once, then its retry): 3 are committed, the
     # others are reported and the stage ends with an error naming them.
-    with pytest.raises(StageFailure, match=f"{n_shards - 3} shard\\(s\\) failed twice.*simulated crash"):
-        capture.run(cfg_for(tiny_target, run_dir, "capture.fail_after_shards=3"), tiny_target)
+    crashed = f"{n_shards - 3} shard\\(s\\) failed twice.*test fault fail_after_shards=3: simulated crash"
+    with capture_faults(fail_after_shards=3), pytest.raises(StageFailure, match=crashed):
+        capture.run(cfg_for(tiny_target, run_dir), tiny_target)
     failed = json.loads((run_dir / "capture" / "summary.json").read_text())["failed_shards"]
     assert len(failed) == n_shards - 3 and all("simulated crash" in f["error"] for f in failed)
     partial = StoreReader(str(run_dir / "store"))
@@ -118,10 +120,10 @@ def test_failing_shards_are_reported_and_only_they_rerun(tiny_target, corpus, tm
     plans = capture_plan.plan_shards(corpus_rows(run_dir), 3)[0]
     bad = sorted([plans[1].name, plans[-1].name])  # a train shard and a held-out one
     assert bad[0].startswith("heldout-") and bad[1].startswith("train-")
-    fault = "capture.fail_shards=[" + ",".join(f"'{n}'" for n in bad) + "]"
-    with pytest.raises(StageFailure, match=r"2 shard\(s\) failed twice: heldout-\S+, train-\S+; first error: .*"
-                                           r"simulated failure of shard.*rerun, which captures only these"):
-        capture.run(cfg_for(tiny_target, run_dir, fault), tiny_target)
+    reported = (r"2 shard\(s\) failed twice: heldout-\S+, train-\S+; first error: RuntimeError: test fault "
+                r"fail_shards: simulated failure of shard.*rerun, which captures only these")
+    with capture_faults(fail_shards=bad), pytest.raises(StageFailure, match=reported):
+        capture.run(cfg_for(tiny_target, run_dir), tiny_target)
     assert issubclass(StageFailure, USER_ERRORS)  # the entry points' one `error:` line, exit status 2
     summary = json.loads((run_dir / "capture" / "summary.json").read_text())
     assert sorted(f["shard"] for f in summary["failed_shards"]) == bad and summary["verify_ok"] is None
@@ -143,8 +145,9 @@ def test_an_actor_killed_mid_batch_is_restarted_and_its_shards_rewritten(tiny_ta
     plans = capture_plan.plan_shards(corpus_rows(run_dir), 3)[0]
     # The first call gets shards 0 and 1: shard 0 is written (never committed), then the
     # process exits at shard 1. Ray restarts the actor and reruns the call.
-    capture.run(cfg_for(tiny_target, run_dir, f"capture.die_in_shards=['{plans[1].name}']"), tiny_target)
-    dead = (run_dir / "capture" / f"died-in-{plans[1].name}").read_text()
+    with capture_faults(die_in_shards=(plans[1].name,), marker_dir=tmp_path / "faults"):
+        capture.run(cfg_for(tiny_target, run_dir), tiny_target)
+    dead = (tmp_path / "faults" / f"died-in-{plans[1].name}").read_text()
     summary = json.loads((run_dir / "capture" / "summary.json").read_text())
     assert summary["verify_ok"] and summary["shards"] == summary["new_shards"] == len(plans)
     assert summary["failed_shards"] == [] and dead not in summary["per_actor"]  # a new process did them all
@@ -176,20 +179,21 @@ def test_a_failing_shard_is_retried_once_in_place_then_reported():
 
     attempts = []
 
-    def before(plan):
+    def load(plan):  # each attempt at a shard loads it first
         attempts.append(plan.name)
         if plan.name == "bad":
             raise RuntimeError("always")
+        return plan
 
     plans = [ShardPlan(n, [n], [[1, 2, 3]], [[0, 1, 1]]) for n in ("a", "bad", "flaky", "b")]
     store = Store()
-    rows = capture_and_write(Engine(), store, plans, 1 << 20, before_shard=before, retries=1)
+    rows = capture_and_write(Engine(), store, plans, 1 << 20, retries=1, load=load)
     assert attempts == ["a", "bad", "flaky", "b", "bad", "flaky"]
     assert [r["shard"] for r in rows] == ["a", "b", "bad", "flaky"] and store.written == ["a", "b", "flaky"]
     assert rows[2]["error"] == "RuntimeError: always" and rows[2]["n_tokens"] == 0
     assert [r["error"] for r in rows if r["shard"] != "bad"] == [None] * 3 and store.removed == ["bad", "bad", "flaky"]
     with pytest.raises(RuntimeError, match="always"):  # retries=None: the first error propagates
-        capture_and_write(Engine(), Store(), plans, 1 << 20, before_shard=before)
+        capture_and_write(Engine(), Store(), plans, 1 << 20, load=load)
 
 
 def test_store_refuses_a_contradicting_config(tiny_target, corpus, tmp_path, ray_local):

@@ -58,30 +58,13 @@ class CaptureActor:
     """One capture engine in a Ray actor: each call captures and writes whole shards."""
 
     def __init__(self, store_url: str, storage_options: dict, backend: str, engine: dict, chunk_bytes: int,
-                 compression: str, corpus_folder: str, fail_after_shards: int | None = None,
-                 fail_shards: tuple[str, ...] = (), die_in_shards: tuple[str, ...] = (), fault_dir: str = ""):
+                 compression: str, corpus_folder: str):
         self.engine = engine_class(backend)(EngineSpec(**engine))
         self.store = HiddenStateStore.open(store_url, storage_options)
         self.corpus = CorpusFiles(corpus_folder)
         self.chunk_bytes, self.compression = chunk_bytes, compression
-        self.fail_after, self.fail_shards, self.started = fail_after_shards, tuple(fail_shards), 0
-        self.die_in_shards, self.fault_dir = tuple(die_in_shards), Path(fault_dir)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.metrics = _metrics()
-
-    def fault(self, ref: ShardRef) -> None:
-        """Fault injection for the failure tests (capture.fail_after_shards, capture.fail_shards)."""
-        if self.die_in_shards and ref.name.startswith(self.die_in_shards):
-            marker = self.fault_dir / f"died-in-{ref.name}"
-            if not marker.exists():  # once per shard: the restarted actor gets through
-                marker.write_text(self.name)
-                os._exit(17)  # the process dies mid-batch, as a killed actor does
-        if self.fail_shards and ref.name.startswith(self.fail_shards):
-            raise RuntimeError(f"capture.fail_shards: simulated failure of shard {ref.name}")
-        if self.fail_after is not None:
-            if self.started >= self.fail_after:
-                raise RuntimeError(f"capture.fail_after_shards={self.fail_after}: simulated crash")
-            self.started += 1
 
     def __call__(self, batch) -> dict:
         import numpy as np
@@ -89,7 +72,7 @@ class CaptureActor:
         refs = [ShardRef(**r) for r in batch.to_pylist()]
         # A failing shard is retried once here, then returned as an error record: the pool
         # keeps going and the driver reports it at the end. (A dead actor is Ray's to restart.)
-        rows = capture_and_write(self.engine, self.store, refs, self.chunk_bytes, self.compression, self.fault,
+        rows = capture_and_write(self.engine, self.store, refs, self.chunk_bytes, self.compression,
                                  retries=1, load=self.corpus.load)
         for r in rows:
             r["actor"] = self.name
@@ -245,10 +228,7 @@ def _capture_with_ray(cfg: FullConfig, target_path, store: HiddenStateStore, tod
             CaptureActor, batch_size=c.shards_per_call, batch_format="pyarrow",
             fn_constructor_kwargs={"store_url": store.url, "storage_options": store.storage_options,
                                    "backend": c.backend, "engine": engine, "chunk_bytes": int(c.chunk_mb * (1 << 20)),
-                                   "compression": c.compression, "corpus_folder": str(RunLayout.of(cfg).corpus_shards),
-                                   "fail_after_shards": c.fail_after_shards, "fail_shards": tuple(c.fail_shards),
-                                   "die_in_shards": tuple(c.die_in_shards),
-                                   "fault_dir": str(RunLayout.of(cfg).stage_dir("capture"))},
+                                   "compression": c.compression, "corpus_folder": str(RunLayout.of(cfg).corpus_shards)},
             compute=ray.data.ActorPoolStrategy(size=c.actors), num_cpus=c.cpus_per_actor,
             num_gpus=c.gpus_per_actor or None,
             # A killed actor (OOM, preempted node) is restarted and its batch re-run; bounded, so a

@@ -94,8 +94,8 @@ def failed_row(name: str, exc: BaseException) -> dict:
 
 
 def capture_and_write(engine, store: HiddenStateStore, plans: Sequence, chunk_bytes: int,
-                      compression: str = "none", before_shard: Callable[[object], None] | None = None,
-                      retries: int | None = None, load: Callable[[object], ShardPlan] | None = None) -> list[dict]:
+                      compression: str = "none", retries: int | None = None,
+                      load: Callable[[object], ShardPlan] | None = None) -> list[dict]:
     """Capture and write whole shards; shard k is written while shard k+1 is computed.
 
     `load` turns a plan into a ShardPlan (e.g. a ShardRef read from the corpus; default: the
@@ -109,8 +109,6 @@ def capture_and_write(engine, store: HiddenStateStore, plans: Sequence, chunk_by
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer") as pool:
 
         def start(plan) -> _Timed:  # compute now, write on the writer thread
-            if before_shard is not None:
-                before_shard(plan)
             shard = load(plan)
             started = time.perf_counter()
             data = shard_data(shard, engine.states(shard.input_ids))

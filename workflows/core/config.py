@@ -215,17 +215,12 @@ class CaptureSection:
     estimate_capture_tokens_per_s: float | None = field(default=None, metadata=NOT_OUTPUT)
     estimate_generate_tokens_per_s: float | None = field(default=None, metadata=NOT_OUTPUT)
     ignore_space: bool = field(default=False, metadata=NOT_OUTPUT)  # start even when the destination lacks the projected space
-    fail_after_shards: int | None = None  # fault injection for resume tests; keep null
-    # fault injection for the failure tests: shards whose name starts with one of these fail every time
-    fail_shards: list[str] = field(default_factory=list)
-    # fault injection: the actor process exits (as if killed) the first time it meets one of these
-    die_in_shards: list[str] = field(default_factory=list)
     max_actor_restarts: int = field(default=3, metadata=NOT_OUTPUT)  # a dead capture actor is restarted and its batch re-run, this many times
 
     def validate(self, where: str = "capture") -> None:
         check_ranges(self, where, shard_samples=">=1", shards_per_call=">=1", micro_batch_tokens=">=1",
                      actors=">=1", cpus_per_actor=">0", gpus_per_actor=">=0", chunk_mb=">0",
-                     estimate_tokens=">=1", fail_after_shards=">=0", estimate_capture_tokens_per_s=">0",
+                     estimate_tokens=">=1", estimate_capture_tokens_per_s=">0",
                      estimate_generate_tokens_per_s=">0", engine_timeout_s=">0",
                      max_actor_restarts=">=0")
         level = self.compression.removeprefix("zstd").removeprefix(":")
