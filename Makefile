@@ -10,7 +10,7 @@ SGLANG_VERSION := 0.5.23
 # bench.specforge_step: SpecForge's training step beside ours
 SPECFORGE_VERSION := 0.2.0
 
-.PHONY: setup run test test-fast bench clean gpu-wheels
+.PHONY: setup run test lint test-fast bench clean gpu-wheels
 
 OFFLINE_STAMP := $(VENV)/.offline-data
 VLLM_VENV ?= .venv-vllm
@@ -59,7 +59,7 @@ $(VLLM_STAMP):
 run: setup
 	$(PY) -m workflows.full $(ARGS)
 
-test: setup
+test: setup lint
 	OMP_NUM_THREADS=2 DS_ACCELERATOR=cpu WANDB_MODE=offline $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: setup
@@ -88,3 +88,8 @@ gpu-wheels: $(STAMP)
 	  --platform manylinux2014_x86_64 $(GPU_BINARY) $(GPU_PURE)
 	DS_BUILD_OPS=0 $(PIP) wheel --quiet --no-deps --no-build-isolation --wheel-dir $(GPU_WHEELS) deepspeed==0.19.8
 	@du -sh $(GPU_WHEELS)
+
+# The house style, checked before the tests (ruff's own lint and format, pinned in pyproject.toml).
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .

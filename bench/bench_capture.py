@@ -13,6 +13,7 @@ The capture adds the state capture, the bf16 conversion and the Zarr writes, whi
 tokens/s and the ratio capture/bare (aim >= 0.90). Default target: the `tiny` preset
 (prepared into .cache on first use); pass --target for a bigger checkpoint.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,14 +40,36 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cuda: the HF model on the GPU, SGLang's GPU settings")
     args = ap.parse_args()
     target = Path(args.target) if args.target else tiny_target()
-    print(measure(target, samples=args.samples, length=args.length, device=args.device, dtype=args.dtype,
-                  repeats=args.repeats, layer_ids=args.layer_ids, micro_batch_tokens=args.micro_batch_tokens,
-                  shard_samples=args.shard_samples, backend=args.backend, final_state=args.final_state))
+    print(
+        measure(
+            target,
+            samples=args.samples,
+            length=args.length,
+            device=args.device,
+            dtype=args.dtype,
+            repeats=args.repeats,
+            layer_ids=args.layer_ids,
+            micro_batch_tokens=args.micro_batch_tokens,
+            shard_samples=args.shard_samples,
+            backend=args.backend,
+            final_state=args.final_state,
+        )
+    )
 
 
-def measure(target: Path, samples: int, length: int, device: str, dtype: str, repeats: int = 2,
-            layer_ids: list[int] | None = None, micro_batch_tokens: int = 4096, shard_samples: int = 16,
-            backend: str = "hf", final_state: str = "auto") -> dict:
+def measure(
+    target: Path,
+    samples: int,
+    length: int,
+    device: str,
+    dtype: str,
+    repeats: int = 2,
+    layer_ids: list[int] | None = None,
+    micro_batch_tokens: int = 4096,
+    shard_samples: int = 16,
+    backend: str = "hf",
+    final_state: str = "auto",
+) -> dict:
     """Capture into a store and the bare forward, interleaved `repeats` times: the best of each."""
     from storage.store import HiddenStateStore
     from workflows.capture.writer import ShardPlan, capture_and_write
@@ -57,15 +80,29 @@ def measure(target: Path, samples: int, length: int, device: str, dtype: str, re
     _, text = read_hf_config(target)
     n_layers, hidden = text["num_hidden_layers"], text["hidden_size"]
     ids = layer_ids or ([1, n_layers // 2 - 1, n_layers - 4] if n_layers >= 8 else [0, 2, 4])
-    engine = make_engine(backend, EngineSpec(str(target), dtype=dtype, layer_ids=ids,
-                                             micro_batch_tokens=micro_batch_tokens, final_state=final_state,
-                                             device=device, max_total_tokens=None if device == "cuda" else 4096))
+    engine = make_engine(
+        backend,
+        EngineSpec(
+            str(target),
+            dtype=dtype,
+            layer_ids=ids,
+            micro_batch_tokens=micro_batch_tokens,
+            final_state=final_state,
+            device=device,
+            max_total_tokens=None if device == "cuda" else 4096,
+        ),
+    )
     g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, text["vocab_size"], (length - (i % 7) * 3,), generator=g).tolist()
-            for i in range(samples)]
-    plans = [ShardPlan(f"{k:06d}", [f"s{i}" for i in range(k, min(k + shard_samples, len(seqs)))],
-                       seqs[k : k + shard_samples], [[1] * len(s) for s in seqs[k : k + shard_samples]])
-             for k in range(0, len(seqs), shard_samples)]
+    seqs = [torch.randint(0, text["vocab_size"], (length - (i % 7) * 3,), generator=g).tolist() for i in range(samples)]
+    plans = [
+        ShardPlan(
+            f"{k:06d}",
+            [f"s{i}" for i in range(k, min(k + shard_samples, len(seqs)))],
+            seqs[k : k + shard_samples],
+            [[1] * len(s) for s in seqs[k : k + shard_samples]],
+        )
+        for k in range(0, len(seqs), shard_samples)
+    ]
     tokens = sum(len(s) for s in seqs)
     engine.bare_forward(seqs[:shard_samples])  # warm-up (and SGLang's engine start)
     prov = {"hidden_size": hidden, "capture_layer_ids": ids, "final_is_normed": True, "target": {}}
@@ -88,10 +125,19 @@ def measure(target: Path, samples: int, length: int, device: str, dtype: str, re
         shutil.rmtree(tmp, ignore_errors=True)
     bare, cap = tokens / min(bare_s), tokens / min(cap_s)
     engine.close()
-    return {"backend": backend, "final_state": getattr(engine, "final_method", None), "target": str(target),
-            "layers": n_layers, "hidden": hidden, "tokens": tokens, "device": device,
-            "bare_forward_tok_per_s": round(bare), "capture_tok_per_s": round(cap), "ratio": round(cap / bare, 3),
-            "threads": torch.get_num_threads()}
+    return {
+        "backend": backend,
+        "final_state": getattr(engine, "final_method", None),
+        "target": str(target),
+        "layers": n_layers,
+        "hidden": hidden,
+        "tokens": tokens,
+        "device": device,
+        "bare_forward_tok_per_s": round(bare),
+        "capture_tok_per_s": round(cap),
+        "ratio": round(cap / bare, 3),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def tiny_target() -> Path:

@@ -7,6 +7,7 @@ Takes Hydra overrides of the `full` config (mixture=bundled by default). Prints 
 tokens/s of both and the ratio stage/plain, end to end (Ray start and engine load included)
 and for the Ray Data execution alone. Single-turn prompts, so both do the same generation.
 """
+
 from __future__ import annotations
 
 import sys
@@ -27,8 +28,14 @@ def main(overrides: list[str]) -> dict:
     from workflows.core.engines import HFEngine
     from workflows.generate.regenerate import Settings
 
-    defaults = ["mixture=bundled", "data.limit=16", "data.max_new_tokens=64", "data.batch_size=8",
-                "data.shard_size=8", "data.temperature=0"]
+    defaults = [
+        "mixture=bundled",
+        "data.limit=16",
+        "data.max_new_tokens=64",
+        "data.batch_size=8",
+        "data.shard_size=8",
+        "data.temperature=0",
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         cfg = compose([*defaults, f"run_dir={tmp}", *overrides])
         target_path = prepare_for(cfg, log=log)
@@ -37,16 +44,22 @@ def main(overrides: list[str]) -> dict:
             raise SystemExit("bench_generate compares single-turn prompts only (use mixture=bundled)")
 
         # Plain: one in-process engine, batched generate over the same generation prompts.
-        s = Settings(max_new_tokens=cfg.data.max_new_tokens, max_length=cfg.data.max_length, dtype=resolve(cfg.data.dtype))
+        s = Settings(
+            max_new_tokens=cfg.data.max_new_tokens, max_length=cfg.data.max_length, dtype=resolve(cfg.data.dtype)
+        )
         t0 = time.perf_counter()
         engine = HFEngine(EngineSpec(str(target_path), dtype=s.dtype))
         load_s = time.perf_counter() - t0
-        ids = [generation_prompt_ids(engine.tokenizer, [m for m in p["messages"] if m["role"] != "assistant"],
-                                     **s.template_kwargs) for p in prompts]
+        ids = [
+            generation_prompt_ids(
+                engine.tokenizer, [m for m in p["messages"] if m["role"] != "assistant"], **s.template_kwargs
+            )
+            for p in prompts
+        ]
         t0 = time.perf_counter()
         plain_tokens = 0
         for i in range(0, len(ids), cfg.data.batch_size):
-            for answer, finish in engine.generate(ids[i: i + cfg.data.batch_size], s.max_new_tokens):
+            for answer, finish in engine.generate(ids[i : i + cfg.data.batch_size], s.max_new_tokens):
                 plain_tokens += len(answer) + (finish == "eos")  # the stage masks the end-of-turn token too
         plain_s = time.perf_counter() - t0
         del engine
@@ -60,12 +73,18 @@ def main(overrides: list[str]) -> dict:
         stage_tokens = sum(sum(r["loss_mask"]) for r in samples)
         del out
     result = {
-        "target": cfg.target.name, "prompts": len(prompts), "max_new_tokens": cfg.data.max_new_tokens,
+        "target": cfg.target.name,
+        "prompts": len(prompts),
+        "max_new_tokens": cfg.data.max_new_tokens,
         "batch_size": cfg.data.batch_size,
-        "plain_tokens": plain_tokens, "plain_s": round(plain_s, 2), "plain_load_s": round(load_s, 2),
+        "plain_tokens": plain_tokens,
+        "plain_s": round(plain_s, 2),
+        "plain_load_s": round(load_s, 2),
         "plain_tok_s": round(plain_tokens / plain_s, 1),
         "plain_tok_s_with_load": round(plain_tokens / (plain_s + load_s), 1),
-        "stage_tokens": stage_tokens, "stage_s": round(stage_s, 2), "stage_tok_s": round(stage_tokens / stage_s, 1),
+        "stage_tokens": stage_tokens,
+        "stage_s": round(stage_s, 2),
+        "stage_tok_s": round(stage_tokens / stage_s, 1),
     }
     result["ratio_stage_vs_plain"] = round(result["stage_tok_s"] / result["plain_tok_s"], 3)
     result["ratio_stage_vs_plain_with_load"] = round(result["stage_tok_s"] / result["plain_tok_s_with_load"], 3)

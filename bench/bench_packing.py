@@ -13,6 +13,7 @@ ratios to padding.
 On the CPU the TTT attention is the dense backend, whose cost grows with T^2 per row: long
 packed rows pay that; on CUDA the flex backend skips the blocks across samples.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,12 +40,15 @@ def lengths_like_default(n: int, seed: int, mean: float = 200.0, sigma: float = 
 
 def make_samples(lengths: list[int], vocab: int, aux_width: int, hidden: int, seed: int) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
-    return [{
-        "input_ids": torch.randint(0, vocab, (n,), generator=g),
-        "loss_mask": torch.ones(n, dtype=torch.long),
-        "aux": torch.randn(n, aux_width, generator=g).bfloat16(),
-        "final": torch.randn(n, hidden, generator=g).bfloat16(),
-    } for n in lengths]
+    return [
+        {
+            "input_ids": torch.randint(0, vocab, (n,), generator=g),
+            "loss_mask": torch.ones(n, dtype=torch.long),
+            "aux": torch.randn(n, aux_width, generator=g).bfloat16(),
+            "final": torch.randn(n, hidden, generator=g).bfloat16(),
+        }
+        for n in lengths
+    ]
 
 
 def padded_batches(samples: list[dict], batch_size: int) -> list[dict]:
@@ -87,16 +91,25 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     cfg = DraftConfig(
-        hidden_size=a.hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=a.hidden // 4,
-        intermediate_size=3 * a.hidden, vocab_size=a.vocab, draft_vocab_size=a.draft_vocab,
-        target_hidden_size=a.hidden, target_num_layers=30, capture_layer_ids=[1, 14, 26],
+        hidden_size=a.hidden,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=a.hidden // 4,
+        intermediate_size=3 * a.hidden,
+        vocab_size=a.vocab,
+        draft_vocab_size=a.draft_vocab,
+        target_hidden_size=a.hidden,
+        target_num_layers=30,
+        capture_layer_ids=[1, 14, 26],
     )
     lengths = lengths_like_default(a.samples, a.seed)
     samples = make_samples(lengths, a.vocab, 3 * a.hidden, a.hidden, a.seed)
     head = TargetHead(torch.randn(a.vocab, a.hidden, generator=torch.Generator().manual_seed(a.seed)) * 0.02)
     real = sum(lengths)
-    print(f"{a.samples} samples, {real} tokens, mean length {real / a.samples:.0f} (min {min(lengths)}, "
-          f"max {max(lengths)}); draft hidden {a.hidden}, ttt {a.ttt}, threads {torch.get_num_threads()}")
+    print(
+        f"{a.samples} samples, {real} tokens, mean length {real / a.samples:.0f} (min {min(lengths)}, "
+        f"max {max(lengths)}); draft hidden {a.hidden}, ttt {a.ttt}, threads {torch.get_num_threads()}"
+    )
 
     layouts = {f"padding (batch {a.batch})": padded_batches(samples, a.batch)}
     for n in a.max_seq_len:
@@ -110,8 +123,10 @@ def main() -> None:
         tokens = sum(int(b["attention_mask"].sum()) for b in batches)
         slots = sum(b["attention_mask"].numel() for b in batches)
         results[name] = tokens / seconds[name]
-        print(f"{name:28s} {len(batches):4d} batches  pad {1 - tokens / slots:6.1%}  "
-              f"{seconds[name]:6.2f} s  {results[name]:8.1f} real tokens/s")
+        print(
+            f"{name:28s} {len(batches):4d} batches  pad {1 - tokens / slots:6.1%}  "
+            f"{seconds[name]:6.2f} s  {results[name]:8.1f} real tokens/s"
+        )
     base = next(iter(results.values()))
     for name, rate in list(results.items())[1:]:
         print(f"ratio {name} / padding tokens/s: {rate / base:.2f}x")

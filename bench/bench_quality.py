@@ -24,6 +24,7 @@ Trials run `--jobs` at a time, one thread each. Each setting runs once per seed;
 gives mean and spread (min-max) over seeds. Written to `<run_dir>/ablation/ablation.{json,md}`;
 the evaluate stage's report includes the table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,10 +69,18 @@ GRIDS = {
         ("schedule=specforge", ["train.optim.warmup_steps=55", "train.optim.min_lr_ratio=0"]),
         ("positions=fixed", ["train.ttt.positions=fixed"]),
         ("tokens=answer", ["train.objective.tokens=answer"]),
-        ("all specforge", ["train.ttt.noise.kind=none", "train.optim.betas=[0.9,0.999]",
-                           "train.objective.normalise=positions", "train.objective.skip_unreachable=true",
-                           "train.objective.tokens=answer",
-                           "train.optim.warmup_steps=55", "train.optim.min_lr_ratio=0"]),
+        (
+            "all specforge",
+            [
+                "train.ttt.noise.kind=none",
+                "train.optim.betas=[0.9,0.999]",
+                "train.objective.normalise=positions",
+                "train.objective.skip_unreachable=true",
+                "train.objective.tokens=answer",
+                "train.optim.warmup_steps=55",
+                "train.optim.min_lr_ratio=0",
+            ],
+        ),
     ],
 }
 TREE = (5, 4, 8)  # SGLang's default drafting for a Llama target: steps, topk, draft tokens
@@ -163,13 +172,22 @@ def run_trial(args: dict) -> dict:
     train_s = time.perf_counter() - t0
     tokens = sum(int(x["attention_mask"].sum()) for x in order[: cfg.train.steps])
     k = cfg.evaluate.num_steps
-    eval_cfg = dataclasses.replace(cfg.train, acceptance_k=k,
-                                   ttt=dataclasses.replace(cfg.train.ttt, length=max(k, cfg.train.ttt.length)))
+    eval_cfg = dataclasses.replace(
+        cfg.train, acceptance_k=k, ttt=dataclasses.replace(cfg.train.ttt, length=max(k, cfg.train.ttt.length))
+    )
     val_batches = [collate_samples(val[i : i + 4]) for i in range(0, len(val), 4)]
     ev = evaluate(draft, head, val_batches, eval_cfg)
-    out = {"name": name, "seed": seed, "overrides": args["overrides"], "steps": cfg.train.steps,
-           "train_tokens_per_s": tokens / train_s, "step_acc": ev["step_acc"][:k], "step_alpha": ev["step_alpha"][:k],
-           "acceptance_walk": ev["acceptance_walk"], "vocab_covered": vocab.covered_fraction}
+    out = {
+        "name": name,
+        "seed": seed,
+        "overrides": args["overrides"],
+        "steps": cfg.train.steps,
+        "train_tokens_per_s": tokens / train_s,
+        "step_acc": ev["step_acc"][:k],
+        "step_alpha": ev["step_alpha"][:k],
+        "acceptance_walk": ev["acceptance_walk"],
+        "vocab_covered": vocab.covered_fraction,
+    }
     if args["decode"]:
         engine = HFEngine(EngineSpec(args["target"], dtype="float32", layer_ids=cfg.target.capture_ids))
         model = engine.model
@@ -212,12 +230,20 @@ def summarise(results: list[dict], grid: list[tuple[str, list[str]]]) -> list[di
             return (statistics.mean(vals), min(vals), max(vals)) if vals else None
 
         k = len(rs[0]["step_acc"])
-        rows.append({"name": name, "overrides": overrides, "seeds": [r["seed"] for r in rs],
-                     "decoded_chain": stat("decoded_chain"), "decoded_tree": stat("decoded_tree"),
-                     "lossless": all(r.get("lossless_chain", True) and r.get("lossless_tree", True) for r in rs),
-                     "acceptance_walk": stat("acceptance_walk"), "train_tokens_per_s": stat("train_tokens_per_s"),
-                     "step_acc": [statistics.mean(r["step_acc"][j] for r in rs) for j in range(k)],
-                     "alpha": [statistics.mean(r["step_alpha"][j] for r in rs) for j in range(k)]})
+        rows.append(
+            {
+                "name": name,
+                "overrides": overrides,
+                "seeds": [r["seed"] for r in rs],
+                "decoded_chain": stat("decoded_chain"),
+                "decoded_tree": stat("decoded_tree"),
+                "lossless": all(r.get("lossless_chain", True) and r.get("lossless_tree", True) for r in rs),
+                "acceptance_walk": stat("acceptance_walk"),
+                "train_tokens_per_s": stat("train_tokens_per_s"),
+                "step_acc": [statistics.mean(r["step_acc"][j] for r in rs) for j in range(k)],
+                "alpha": [statistics.mean(r["step_alpha"][j] for r in rs) for j in range(k)],
+            }
+        )
     return rows
 
 
@@ -225,17 +251,24 @@ def markdown(rows: list[dict], meta: dict) -> str:
     def fmt(s):
         return "-" if s is None else f"{s[0]:.3f} ({s[1]:.3f}-{s[2]:.3f})"
 
-    lines = [f"# Ablation: {meta['grid']} ({meta['steps']} steps, seeds {meta['seeds']})", "",
-             f"Data: {meta['fit']} fit / {meta['val']} validation samples of the train split of "
-             f"`{meta['store']}`; decoded on {meta['decoded']} validation prompts (chain k={meta['k']}, "
-             f"tree steps/topk/tokens {TREE}); mean (min-max) over seeds.", "",
-             "| setting | decoded chain | decoded tree | lossless | offline walk | acc steps 0.. | alpha step 0 | "
-             "train tok/s |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Ablation: {meta['grid']} ({meta['steps']} steps, seeds {meta['seeds']})",
+        "",
+        f"Data: {meta['fit']} fit / {meta['val']} validation samples of the train split of "
+        f"`{meta['store']}`; decoded on {meta['decoded']} validation prompts (chain k={meta['k']}, "
+        f"tree steps/topk/tokens {TREE}); mean (min-max) over seeds.",
+        "",
+        "| setting | decoded chain | decoded tree | lossless | offline walk | acc steps 0.. | alpha step 0 | "
+        "train tok/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         acc = " ".join(f"{a:.3f}" for a in r["step_acc"])
-        lines.append(f"| {r['name']} | {fmt(r['decoded_chain'])} | {fmt(r['decoded_tree'])} | {r['lossless']} | "
-                     f"{fmt(r['acceptance_walk'])} | {acc} | {r['alpha'][0]:.3f} | "
-                     f"{r['train_tokens_per_s'][0]:.0f} |")
+        lines.append(
+            f"| {r['name']} | {fmt(r['decoded_chain'])} | {fmt(r['decoded_tree'])} | {r['lossless']} | "
+            f"{fmt(r['acceptance_walk'])} | {acc} | {r['alpha'][0]:.3f} | "
+            f"{r['train_tokens_per_s'][0]:.0f} |"
+        )
     lines += ["", "Command: `" + meta["command"] + "`", ""]
     return "\n".join(lines)
 
@@ -257,8 +290,11 @@ def main(argv=None) -> None:
     grid = [g for g in GRIDS[a.grid] if a.only is None or g[0] in a.only]
     rows = decode_rows(val, a.decode_prompts, a.decode_tokens) if a.decode_prompts else []
     greedy = greedy_answers(str(target), cfg.target.capture_ids, rows) if rows else []
-    print(f"bench_quality: {len(fit)} fit / {len(val)} validation samples, {len(grid)} settings x "
-          f"{len(a.seeds)} seeds, {a.steps} steps each, {len(rows)} decoded prompts, {a.jobs} at a time", flush=True)
+    print(
+        f"bench_quality: {len(fit)} fit / {len(val)} validation samples, {len(grid)} settings x "
+        f"{len(a.seeds)} seeds, {a.steps} steps each, {len(rows)} decoded prompts, {a.jobs} at a time",
+        flush=True,
+    )
     shared = {"base": a.overrides, "steps": a.steps, "target": str(target), "decode": rows, "greedy": greedy}
     trials = [{**shared, "name": n, "overrides": o, "seed": s} for n, o in grid for s in a.seeds]
     results = []
@@ -270,18 +306,30 @@ def main(argv=None) -> None:
         mapped = pool.map(run_trial, trials)
     try:
         for r in mapped:
-            print(f"  {r['name']:24s} seed {r['seed']}: walk {r['acceptance_walk']:.3f} "
-                  f"decoded chain {r.get('decoded_chain', float('nan')):.3f} tree {r.get('decoded_tree', float('nan')):.3f} "
-                  f"acc0 {r['step_acc'][0]:.3f} alpha0 {r['step_alpha'][0]:.3f} "
-                  f"{r['train_tokens_per_s']:.0f} tok/s", flush=True)
+            print(
+                f"  {r['name']:24s} seed {r['seed']}: walk {r['acceptance_walk']:.3f} "
+                f"decoded chain {r.get('decoded_chain', float('nan')):.3f} "
+                f"tree {r.get('decoded_tree', float('nan')):.3f} "
+                f"acc0 {r['step_acc'][0]:.3f} alpha0 {r['step_alpha'][0]:.3f} "
+                f"{r['train_tokens_per_s']:.0f} tok/s",
+                flush=True,
+            )
             results.append(r)
     finally:
         if pool is not None:
             pool.shutdown()
     table = summarise(results, grid)
-    meta = {"grid": a.grid, "steps": a.steps, "seeds": a.seeds, "fit": len(fit), "val": len(val),
-            "store": cfg.run_path.name, "decoded": len(rows), "k": cfg.evaluate.num_steps,
-            "command": "python -m bench.bench_quality " + " ".join(argv if argv is not None else sys.argv[1:])}
+    meta = {
+        "grid": a.grid,
+        "steps": a.steps,
+        "seeds": a.seeds,
+        "fit": len(fit),
+        "val": len(val),
+        "store": cfg.run_path.name,
+        "decoded": len(rows),
+        "k": cfg.evaluate.num_steps,
+        "command": "python -m bench.bench_quality " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
     out = a.out or cfg.run_path / "ablation" / "ablation"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "table": table, "trials": results}, indent=1))

@@ -23,6 +23,7 @@ so machine noise and cache state hit both sides alike). Both sides go through th
 cache (no fsync of the data), as the store does. On a busy machine the ratios move by
 +-0.15 from run to run: run it twice.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,14 +46,19 @@ def make_shards(n: int, tokens: int, hidden: int, samples_per_shard: int = 16):
     for s in range(n):
         lengths = np.full(samples_per_shard, tokens // samples_per_shard)
         lengths[-1] += tokens - lengths.sum()
-        out.append(ShardData(
-            sample_ids=[f"s{s}-{i}" for i in range(samples_per_shard)],
-            input_ids=rng.integers(0, 50000, tokens, dtype=np.int32),
-            loss_mask=rng.integers(0, 2, tokens, dtype=np.uint8),
-            offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-            # Random normal floats as bf16 bits (realistic exponents; not compressible by chance).
-            aux=(rng.standard_normal((tokens, 3 * hidden), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16),
-            final=(rng.standard_normal((tokens, hidden), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)))
+        out.append(
+            ShardData(
+                sample_ids=[f"s{s}-{i}" for i in range(samples_per_shard)],
+                input_ids=rng.integers(0, 50000, tokens, dtype=np.int32),
+                loss_mask=rng.integers(0, 2, tokens, dtype=np.uint8),
+                offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                # Random normal floats as bf16 bits (realistic exponents; not compressible by chance).
+                aux=(rng.standard_normal((tokens, 3 * hidden), dtype=np.float32).view(np.uint32) >> 16).astype(
+                    np.uint16
+                ),
+                final=(rng.standard_normal((tokens, hidden), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16),
+            )
+        )
     return out
 
 
@@ -70,6 +76,7 @@ def with_reader(path: Path, fn):
     def run():
         reader = StoreReader(str(path))
         return timed(lambda: fn(reader))
+
     return run
 
 
@@ -140,13 +147,24 @@ def bench(root: Path, shards, hidden: int, chunk_mb: float, repeats: int) -> dic
         root.mkdir(parents=True)
         store, raw = root / "store", root / "raw"
         # (what, timed store side, timed raw side): each returns its seconds
-        steps = [("write", lambda: timed(lambda: write_store(store, shards, hidden, int(chunk_mb * (1 << 20)))),
-                  lambda: timed(lambda: write_raw(raw, shards))),
-                 ("stream", with_reader(store, stream_store), lambda: timed(lambda: stream_raw(raw))),
-                 ("stream_noprefetch", with_reader(store, lambda rd: stream_store(rd, prefetch=False)),
-                  lambda: timed(lambda: stream_raw(raw))),
-                 ("random", with_reader(store, lambda rd: random_store(rd, order)),
-                  lambda: timed(lambda: random_raw(raw, shards, order)))]
+        steps = [
+            (
+                "write",
+                lambda: timed(lambda: write_store(store, shards, hidden, int(chunk_mb * (1 << 20)))),
+                lambda: timed(lambda: write_raw(raw, shards)),
+            ),
+            ("stream", with_reader(store, stream_store), lambda: timed(lambda: stream_raw(raw))),
+            (
+                "stream_noprefetch",
+                with_reader(store, lambda rd: stream_store(rd, prefetch=False)),
+                lambda: timed(lambda: stream_raw(raw)),
+            ),
+            (
+                "random",
+                with_reader(store, lambda rd: random_store(rd, order)),
+                lambda: timed(lambda: random_raw(raw, shards, order)),
+            ),
+        ]
         for what, on_store, on_raw in steps:
             sides = [("store", on_store), ("raw", on_raw)]
             for k in range(1 if what == "write" else 3):  # reads are cheap: more tries

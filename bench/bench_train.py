@@ -13,6 +13,7 @@ steady-state steps (the first logging interval, with its start-up, is left out).
     loader / consumption       the loader's batches/s over the plain loop's steps/s, >= 3x
     ray(2 workers) / ray(1)    reported
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,10 @@ def train_copy(source: Path, scratch: Path, name: str, base: list[str], *extra: 
     full.run(compose([*base, f"run_dir={dest}", "stages=[train]", *extra]))
     tps = steady_tokens_per_s(dest)
     final = json.loads((dest / "train" / "metrics.json").read_text())
-    print(f"{name:16s} {tps:9.1f} tokens/s steady ({time.perf_counter() - started:.0f} s with start-up); "
-          f"held-out walk acceptance {final['acceptance_walk']:.3f}, step-0 accuracy {final['step_acc'][0]:.3f}")
+    print(
+        f"{name:16s} {tps:9.1f} tokens/s steady ({time.perf_counter() - started:.0f} s with start-up); "
+        f"held-out walk acceptance {final['acceptance_walk']:.3f}, step-0 accuracy {final['step_acc'][0]:.3f}"
+    )
     return tps
 
 
@@ -75,9 +78,15 @@ def main() -> None:
     ap.add_argument("--overrides", nargs="*", default=[], help="more Hydra overrides for every run")
     a = ap.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="bench-train-"))
-    base = [f"cache_dir={Path(a.cache_dir).resolve()}", "cluster.dashboard=false", "train.checkpoint_every=0",
-            f"train.steps={a.steps}", f"train.eval_every={a.steps}", f"train.log_every={max(1, a.steps // 8)}",
-            *a.overrides]
+    base = [
+        f"cache_dir={Path(a.cache_dir).resolve()}",
+        "cluster.dashboard=false",
+        "train.checkpoint_every=0",
+        f"train.steps={a.steps}",
+        f"train.eval_every={a.steps}",
+        f"train.log_every={max(1, a.steps // 8)}",
+        *a.overrides,
+    ]
     source = a.run_dir
     if source is None:
         base = ["target=tiny", "mixture=bundled", "data.limit=48", "data.max_new_tokens=64", *base]
@@ -86,10 +95,12 @@ def main() -> None:
     source = source.resolve()
     torch.set_num_threads(a.threads)
     plain = train_copy(source, scratch, "plain", base, "train.backend=local")
-    ray1 = train_copy(source, scratch, "ray-1-worker", base, "train.num_workers=1",
-                      f"train.cpus_per_worker={a.threads}")
-    ray2 = train_copy(source, scratch, "ray-2-workers", base, "train.num_workers=2",
-                      f"train.cpus_per_worker={max(1, a.threads // 2)}")
+    ray1 = train_copy(
+        source, scratch, "ray-1-worker", base, "train.num_workers=1", f"train.cpus_per_worker={a.threads}"
+    )
+    ray2 = train_copy(
+        source, scratch, "ray-2-workers", base, "train.num_workers=2", f"train.cpus_per_worker={max(1, a.threads // 2)}"
+    )
     steps_per_s = plain / max(1.0, tokens_per_step(scratch / "plain"))
     batches_per_s, loader_tps = loader_rate(source, base, batches=max(8, a.steps // 2))
     print(f"loader           {loader_tps:9.1f} tokens/s, {batches_per_s:.1f} batches/s")

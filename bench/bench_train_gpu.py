@@ -11,6 +11,7 @@ machine's reachable peak, not the datasheet's). A sequence length that runs out 
 is reported as such and the others still run. SpecForge's figures for the same shapes are
 in the training issue; run its trainer beside this one in the same session to compare.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,12 +26,20 @@ from eagle3.target_head import TargetHead
 from eagle3.training import LoopConfig, PlainOptimizer, lr_at, train_step
 from eagle3.ttt import TTTConfig
 
-
 # Llama-3.1-8B's draft (SpecForge's and ours), and a 256-wide one for smoke runs.
-LLAMA8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256,
-               draft_vocab=32000, target_hidden=4096)
-SMALL = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=4096, draft_vocab=1024,
-             target_hidden=256)
+LLAMA8B = dict(
+    hidden=4096,
+    heads=32,
+    kv_heads=8,
+    head_dim=128,
+    intermediate=14336,
+    vocab=128256,
+    draft_vocab=32000,
+    target_hidden=4096,
+)
+SMALL = dict(
+    hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=4096, draft_vocab=1024, target_hidden=256
+)
 
 
 def matmul_tflops(device: torch.device, n: int = 8192, reps: int = 10) -> float:
@@ -62,10 +71,18 @@ def step_flops(cfg: DraftConfig, tokens: int, ttt: int) -> float:
 
 def draft_config(s: dict) -> DraftConfig:
     """A draft of the given shapes (bench.gpu_suite's dicts: hidden, heads, kv_heads, ...)."""
-    return DraftConfig(hidden_size=s["hidden"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-                       head_dim=s["head_dim"], intermediate_size=s["intermediate"], vocab_size=s["vocab"],
-                       draft_vocab_size=s["draft_vocab"], target_hidden_size=s["target_hidden"],
-                       target_num_layers=32, capture_layer_ids=[1, 15, 28])
+    return DraftConfig(
+        hidden_size=s["hidden"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        head_dim=s["head_dim"],
+        intermediate_size=s["intermediate"],
+        vocab_size=s["vocab"],
+        draft_vocab_size=s["draft_vocab"],
+        target_hidden_size=s["target_hidden"],
+        target_num_layers=32,
+        capture_layer_ids=[1, 15, 28],
+    )
 
 
 def random_batch(cfg: DraftConfig, seq: int, device: torch.device, seed: int = 0, batch: int = 1) -> dict:
@@ -80,8 +97,16 @@ def random_batch(cfg: DraftConfig, seq: int, device: torch.device, seed: int = 0
     }
 
 
-def run_one(cfg: DraftConfig, seq: int, ttt: int, device: torch.device, steps: int, dtype: str = "bfloat16",
-            loss_block_rows: int = 0, compile_layer: bool = False) -> dict:
+def run_one(
+    cfg: DraftConfig,
+    seq: int,
+    ttt: int,
+    device: torch.device,
+    steps: int,
+    dtype: str = "bfloat16",
+    loss_block_rows: int = 0,
+    compile_layer: bool = False,
+) -> dict:
     """Our step (eagle3.training.train_step, as the train stage runs it) at batch 1: seconds
     per step after one warm-up step, peak memory from the warm-up's end. `loss_block_rows`:
     train.objective.loss_block_rows (soft_ce in blocks of rows, eagle3.chunked_loss);
@@ -95,8 +120,12 @@ def run_one(cfg: DraftConfig, seq: int, ttt: int, device: torch.device, steps: i
     draft = Eagle3Draft(cfg).to(device)
     if compile_layer:
         draft.midlayer.compile()
-    loop = LoopConfig(steps=steps + 1, ttt=TTTConfig(length=ttt), compute_dtype=dtype,
-                      objective=ObjectiveConfig(loss_block_rows=loss_block_rows))
+    loop = LoopConfig(
+        steps=steps + 1,
+        ttt=TTTConfig(length=ttt),
+        compute_dtype=dtype,
+        objective=ObjectiveConfig(loss_block_rows=loss_block_rows),
+    )
     opt = PlainOptimizer(draft, loop.optim)
     generator = torch.Generator(device=device).manual_seed(0)
     train_step(opt, head, [batch], lr_at(0, loop.steps, loop.optim), loop, generator)  # warm-up (and compilation)

@@ -6,6 +6,7 @@ Prints tokens/s of each and the ratio bf16/fp32. The ratio differs by machine (1
 Xeon with AMX, far below 1 on CPUs without bf16 units), which is why `train.compute_dtype`
 defaults to `auto`: measured at start-up (workflows.core.precision).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,9 +35,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     a = ap.parse_args()
     cfg = DraftConfig(
-        hidden_size=a.hidden, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-        head_dim=a.hidden // a.heads, intermediate_size=a.intermediate, vocab_size=a.vocab,
-        draft_vocab_size=a.draft_vocab, target_hidden_size=a.hidden, target_num_layers=30,
+        hidden_size=a.hidden,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        head_dim=a.hidden // a.heads,
+        intermediate_size=a.intermediate,
+        vocab_size=a.vocab,
+        draft_vocab_size=a.draft_vocab,
+        target_hidden_size=a.hidden,
+        target_num_layers=30,
         capture_layer_ids=[1, 14, 26],
     )
     g = torch.Generator().manual_seed(0)
@@ -62,8 +69,9 @@ def main() -> None:
         dt = (time.perf_counter() - t0) / a.steps
         results[dtype] = b * t / dt
         print(f"{dtype:9s} {dt:7.3f} s/step  {results[dtype]:9.1f} tokens/s")
-    print(f"ratio bf16/fp32 tokens/s: {results['bfloat16'] / results['float32']:.2f}x "
-          f"(threads={torch.get_num_threads()})")
+    print(
+        f"ratio bf16/fp32 tokens/s: {results['bfloat16'] / results['float32']:.2f}x (threads={torch.get_num_threads()})"
+    )
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ reported with its error and the next still runs):
 Writes one JSON (`--out`, default `$OUT/gpu_suite.json` where the device tool provides
 `$OUT`) and prints a table. Within about 8 minutes on an H200.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,7 @@ from bench.bench_train_gpu import LLAMA8B
 
 ROOT = Path(__file__).resolve().parents[1]
 
-TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512, draft_vocab=128,
-            target_hidden=64)
+TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512, draft_vocab=128, target_hidden=64)
 
 
 @dataclass
@@ -70,15 +70,39 @@ class Plan:
 
     @classmethod
     def full(cls) -> "Plan":
-        return cls(torch.device("cuda"), LLAMA8B, [2048, 4096, 8192], ttt=7, steps=4, dtype="bfloat16",
-                   capture_model=dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-                                      num_attention_heads=16, num_key_value_heads=8),
-                   capture_samples=64, capture_length=1024, loss_block_rows=2048)
+        return cls(
+            torch.device("cuda"),
+            LLAMA8B,
+            [2048, 4096, 8192],
+            ttt=7,
+            steps=4,
+            dtype="bfloat16",
+            capture_model=dict(
+                hidden_size=2048,
+                intermediate_size=5632,
+                num_hidden_layers=16,
+                num_attention_heads=16,
+                num_key_value_heads=8,
+            ),
+            capture_samples=64,
+            capture_length=1024,
+            loss_block_rows=2048,
+        )
 
     @classmethod
     def dry(cls) -> "Plan":
-        return cls(torch.device("cpu"), TINY, [64], ttt=3, steps=2, dtype="float32", capture_model=None,
-                   capture_samples=8, capture_length=48, loss_block_rows=16)
+        return cls(
+            torch.device("cpu"),
+            TINY,
+            [64],
+            ttt=3,
+            steps=2,
+            dtype="float32",
+            capture_model=None,
+            capture_samples=8,
+            capture_length=48,
+            loss_block_rows=16,
+        )
 
 
 # ---------------------------------------------------------------------------- wheels
@@ -126,10 +150,16 @@ def train_step(plan: Plan) -> dict:
         row = {"seq": seq}
         for name, block, compiled in variants(plan):
             try:
-                ours = run_one(cfg, seq, plan.ttt, dev, plan.steps, dtype=plan.dtype, loss_block_rows=block,
-                               compile_layer=compiled)
-                row.update({f"{name}_tokens_per_s": ours["tokens_per_s"], f"{name}_peak_gib": ours["peak_gib"],
-                            f"{name}_mfu": ours["tflops"] / peak})
+                ours = run_one(
+                    cfg, seq, plan.ttt, dev, plan.steps, dtype=plan.dtype, loss_block_rows=block, compile_layer=compiled
+                )
+                row.update(
+                    {
+                        f"{name}_tokens_per_s": ours["tokens_per_s"],
+                        f"{name}_peak_gib": ours["peak_gib"],
+                        f"{name}_mfu": ours["tflops"] / peak,
+                    }
+                )
             except torch.OutOfMemoryError:
                 row[name] = "out of memory"
             except Exception as exc:  # a variant that fails (compilation) is reported; the others run
@@ -140,9 +170,12 @@ def train_step(plan: Plan) -> dict:
         try:
             step = build_specforge_step(**s, seq=seq, ttt=plan.ttt, device=dev, dtype=plan.dtype)
             sf = time_steps(step, dev, plan.steps)
-            row.update(specforge_tokens_per_s=seq / sf["seconds"], specforge_peak_gib=sf["peak_gib"],
-                       specforge_mfu=step_flops(cfg, seq, plan.ttt) / sf["seconds"] / 1e12 / peak,
-                       specforge_backend=getattr(step, "backend", "?"))
+            row.update(
+                specforge_tokens_per_s=seq / sf["seconds"],
+                specforge_peak_gib=sf["peak_gib"],
+                specforge_mfu=step_flops(cfg, seq, plan.ttt) / sf["seconds"] / 1e12 / peak,
+                specforge_backend=getattr(step, "backend", "?"),
+            )
             del step
         except torch.OutOfMemoryError:
             row["specforge"] = "out of memory"
@@ -151,8 +184,15 @@ def train_step(plan: Plan) -> dict:
             row["speedup"] = row["ours_tokens_per_s"] / row["specforge_tokens_per_s"]
         rows.append(row)
     ok = all("ours_tokens_per_s" in r for r in rows)
-    return {"ok": ok, "matmul_tflops": peak, "shapes": s, "ttt": plan.ttt, "dtype": plan.dtype,
-            "loss_block_rows": plan.loss_block_rows, "rows": rows}
+    return {
+        "ok": ok,
+        "matmul_tflops": peak,
+        "shapes": s,
+        "ttt": plan.ttt,
+        "dtype": plan.dtype,
+        "loss_block_rows": plan.loss_block_rows,
+        "rows": rows,
+    }
 
 
 def variants(plan: Plan) -> list[tuple[str, int, bool]]:
@@ -183,23 +223,42 @@ def deepspeed_vs_plain(plan: Plan) -> dict:
 
     from bench.bench_train_gpu import draft_config, random_batch
     from eagle3.modeling import Eagle3Draft
-    from eagle3.training import PlainOptimizer, lr_at, train_step as one_step
+    from eagle3.training import PlainOptimizer, lr_at
+    from eagle3.training import train_step as one_step
     from eagle3.ttt import TTTConfig
     from workflows.core.config import TrainSection
     from workflows.train.trainer import DeepSpeedStep
 
     dev = plan.device
-    shapes = {**plan.shapes, "vocab": min(plan.shapes["vocab"], 32000), "hidden": min(plan.shapes["hidden"], 1024),
-              "target_hidden": min(plan.shapes["target_hidden"], 1024), "intermediate": min(plan.shapes["intermediate"], 2816),
-              "heads": min(plan.shapes["heads"], 8), "draft_vocab": min(plan.shapes["draft_vocab"], 8000)}
+    shapes = {
+        **plan.shapes,
+        "vocab": min(plan.shapes["vocab"], 32000),
+        "hidden": min(plan.shapes["hidden"], 1024),
+        "target_hidden": min(plan.shapes["target_hidden"], 1024),
+        "intermediate": min(plan.shapes["intermediate"], 2816),
+        "heads": min(plan.shapes["heads"], 8),
+        "draft_vocab": min(plan.shapes["draft_vocab"], 8000),
+    }
     cfg = draft_config(shapes)
     seq = min(plan.seqs[0], 1024)
     batches = [random_batch(cfg, seq, dev, seed=k) for k in range(3)]
     head = random_head(cfg, dev)
-    train = TrainSection(batch_size=1, grad_accum=1, zero_stage=1, compute_dtype=plan.dtype,
-                         ttt=TTTConfig(length=plan.ttt), steps=len(batches))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
-                      WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    train = TrainSection(
+        batch_size=1,
+        grad_accum=1,
+        zero_stage=1,
+        compute_dtype=plan.dtype,
+        ttt=TTTConfig(length=plan.ttt),
+        steps=len(batches),
+    )
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+    )
     if dev.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1)
@@ -208,11 +267,16 @@ def deepspeed_vs_plain(plan: Plan) -> dict:
         for name in ("plain", "deepspeed"):
             torch.manual_seed(0)
             draft = Eagle3Draft(cfg).to(dev)
-            opt = (DeepSpeedStep(draft, SimpleNamespace(train=train), 1, dev) if name == "deepspeed"
-                   else PlainOptimizer(draft, train.optim))
+            opt = (
+                DeepSpeedStep(draft, SimpleNamespace(train=train), 1, dev)
+                if name == "deepspeed"
+                else PlainOptimizer(draft, train.optim)
+            )
             g = torch.Generator(device=dev).manual_seed(0)
-            losses[name] = [one_step(opt, head, [b], lr_at(k, train.steps, train.optim), train, g)["loss"]
-                            for k, b in enumerate(batches)]
+            losses[name] = [
+                one_step(opt, head, [b], lr_at(k, train.steps, train.optim), train, g)["loss"]
+                for k, b in enumerate(batches)
+            ]
             del opt, draft
             free(dev)
     finally:
@@ -220,8 +284,14 @@ def deepspeed_vs_plain(plan: Plan) -> dict:
     # bf16: DeepSpeed holds bf16 weights (fp32 masters), the plain step autocasts fp32 weights.
     rtol = 2e-2 if plan.dtype == "bfloat16" else 1e-4
     worst = max(abs(a - b) / max(abs(b), 1e-9) for a, b in zip(losses["deepspeed"], losses["plain"]))
-    return {"ok": worst <= rtol and all(math.isfinite(v) for v in losses["deepspeed"]), "losses": losses,
-            "worst_relative_difference": worst, "tolerance": rtol, "dtype": plan.dtype, "seq": seq}
+    return {
+        "ok": worst <= rtol and all(math.isfinite(v) for v in losses["deepspeed"]),
+        "losses": losses,
+        "worst_relative_difference": worst,
+        "tolerance": rtol,
+        "dtype": plan.dtype,
+        "seq": seq,
+    }
 
 
 def capture_ratio(plan: Plan) -> dict:
@@ -231,8 +301,14 @@ def capture_ratio(plan: Plan) -> dict:
     target = tiny_target()
     if plan.capture_model is not None:
         target = random_llama(target, plan.capture_model)
-    figures = measure(target, samples=plan.capture_samples, length=plan.capture_length, device=str(plan.device),
-                      dtype=plan.dtype, repeats=2)
+    figures = measure(
+        target,
+        samples=plan.capture_samples,
+        length=plan.capture_length,
+        device=str(plan.device),
+        dtype=plan.dtype,
+        repeats=2,
+    )
     return {"ok": True, **figures}
 
 
@@ -240,7 +316,6 @@ def decoder(plan: Plan) -> dict:
     """The reference decoder on the device, float64 (no rounding decides an argmax): the
     speculative output equals greedy decoding token for token, on random models."""
     from eagle3.spec_decode import Eagle3Drafter, SpeculativeDecoder, greedy_decode
-
     from tests.helpers import random_draft, tiny_draft_config, tiny_hf_llama
 
     dev = plan.device
@@ -255,12 +330,21 @@ def decoder(plan: Plan) -> dict:
         want, _ = greedy_decode(target, prompt, 32)
         same += got.tokens == want
         gained, forwards = gained + got.gained, forwards + got.target_forwards
-    return {"ok": same == len(prompts), "identical_to_greedy": f"{same}/{len(prompts)}",
-            "acceptance_length": gained / forwards, "device": str(dev)}
+    return {
+        "ok": same == len(prompts),
+        "identical_to_greedy": f"{same}/{len(prompts)}",
+        "acceptance_length": gained / forwards,
+        "device": str(dev),
+    }
 
 
-SECTIONS = {"gpu_tests": gpu_tests, "train_step": train_step, "deepspeed": deepspeed_vs_plain,
-            "capture": capture_ratio, "decoder": decoder}
+SECTIONS = {
+    "gpu_tests": gpu_tests,
+    "train_step": train_step,
+    "deepspeed": deepspeed_vs_plain,
+    "capture": capture_ratio,
+    "decoder": decoder,
+}
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -311,16 +395,26 @@ def table(results: dict) -> str:
         lines.append(f"| {name} | {r.get('ok')} | {r.get('seconds', float('nan')):.0f} | {short(figures)} |")
     step = results.get("train_step", {})
     if step.get("rows"):
-        lines += ["", "| seq | step | tokens/s | peak GiB | MFU | tokens/s ÷ SpecForge's |", "|---|---|---|---|---|---|"]
-        names = {"ours": "ours", "blocks": f"ours, loss in blocks of {step['loss_block_rows']}",
-                 "compiled": "ours, decoder layer compiled", "specforge": "SpecForge 0.2.0"}
+        lines += [
+            "",
+            "| seq | step | tokens/s | peak GiB | MFU | tokens/s ÷ SpecForge's |",
+            "|---|---|---|---|---|---|",
+        ]
+        names = {
+            "ours": "ours",
+            "blocks": f"ours, loss in blocks of {step['loss_block_rows']}",
+            "compiled": "ours, decoder layer compiled",
+            "specforge": "SpecForge 0.2.0",
+        }
         for r in step["rows"]:
             for key, name in names.items():
                 tps = r.get(f"{key}_tokens_per_s")
                 ratio = tps / r["specforge_tokens_per_s"] if tps and r.get("specforge_tokens_per_s") else None
-                lines.append(f"| {r['seq']} | {name} | {fmt(tps, '.0f') if tps else r.get(key, '-')} | "
-                             f"{fmt(r.get(f'{key}_peak_gib'))} | {fmt(r.get(f'{key}_mfu'), '.0%')} | "
-                             f"{fmt(ratio, '.2f')} |")
+                lines.append(
+                    f"| {r['seq']} | {name} | {fmt(tps, '.0f') if tps else r.get(key, '-')} | "
+                    f"{fmt(r.get(f'{key}_peak_gib'))} | {fmt(r.get(f'{key}_mfu'), '.0%')} | "
+                    f"{fmt(ratio, '.2f')} |"
+                )
     return "\n".join(lines)
 
 
@@ -348,15 +442,25 @@ def main() -> None:
     plan = Plan.dry() if a.dry_run else Plan.full()
     plan.seqs = a.seqs or plan.seqs
     out = a.out or Path(os.environ.get("OUT", ".")) / "gpu_suite.json"
-    results = {"environment": {"device": torch.cuda.get_device_name() if plan.device.type == "cuda" else "cpu",
-                               "torch": torch.__version__, "dry_run": a.dry_run, "ok": True, "seconds": 0.0}}
+    results = {
+        "environment": {
+            "device": torch.cuda.get_device_name() if plan.device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "dry_run": a.dry_run,
+            "ok": True,
+            "seconds": 0.0,
+        }
+    }
     for name in a.only:
         started = time.perf_counter()
         try:
             results[name] = SECTIONS[name](plan)
         except Exception as exc:  # reported, and the next section still runs
-            results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
-                             "output_tail": traceback.format_exc()[-3000:]}
+            results[name] = {
+                "ok": False,
+                "error": f"{type(exc).__name__}: {exc}",
+                "output_tail": traceback.format_exc()[-3000:],
+            }
         results[name]["seconds"] = time.perf_counter() - started
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=1, default=str))  # what finished survives a timeout
@@ -365,8 +469,10 @@ def main() -> None:
     print(f"[gpu_suite] wrote {out}")
     failed = [n for n in a.only if not results[n]["ok"]]
     for n in failed:
-        print(f"[gpu_suite] {n} failed: {results[n].get('error') or results[n].get('summary')}\n"
-              f"{results[n].get('output_tail', '')}")
+        print(
+            f"[gpu_suite] {n} failed: {results[n].get('error') or results[n].get('summary')}\n"
+            f"{results[n].get('output_tail', '')}"
+        )
     sys.exit(1 if failed else 0)
 
 

@@ -49,6 +49,7 @@ SpecForge is importable from its wheel alone: its package ``__init__`` files are
 step needs import only torch, transformers (+ huggingface_hub, safetensors) and triton -- not sglang, ray, deepspeed,
 datasets, pydantic or yunchang. ``step.specforge_modules`` lists the SpecForge modules that were imported.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -89,11 +90,22 @@ NEEDED_MODULES = (
 )
 HEAVY_PACKAGES = ("sglang", "ray", "deepspeed", "datasets", "yunchang", "flash_attn", "pydantic")
 DRAFT_ARCH = "LlamaForCausalLMEagle3"
-TINY = {"hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16, "intermediate": 128, "vocab": 512,
-        "draft_vocab": 128, "target_hidden": 64, "seq": 64, "ttt": 3}
+TINY = {
+    "hidden": 64,
+    "heads": 4,
+    "kv_heads": 2,
+    "head_dim": 16,
+    "intermediate": 128,
+    "vocab": 512,
+    "draft_vocab": 128,
+    "target_hidden": 64,
+    "seq": 64,
+    "ttt": 3,
+}
 
 
 # ---------------------------------------------------------------- import SpecForge from its wheel
+
 
 def _unpack_wheel(wheel: str) -> Path:
     """Extract the (pure-Python) wheel once into a cache dir keyed by its hash.
@@ -168,22 +180,45 @@ def heavy_modules_loaded() -> list[str]:
 
 # ---------------------------------------------------------------- model, head, batch
 
-def _write_configs(workdir: Path, *, hidden, heads, kv_heads, head_dim, intermediate, vocab, draft_vocab,
-                   target_hidden, seq, ttt) -> tuple[Path, Path]:
+
+def _write_configs(
+    workdir: Path, *, hidden, heads, kv_heads, head_dim, intermediate, vocab, draft_vocab, target_hidden, seq, ttt
+) -> tuple[Path, Path]:
     """A draft config JSON in SpecForge's configs/*-eagle3.json shape, and a target config dir for TargetHead."""
     draft = {
-        "architectures": [DRAFT_ARCH], "model_type": "llama", "hidden_act": "silu", "attention_bias": False,
-        "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "head_dim": head_dim, "intermediate_size": intermediate, "num_hidden_layers": 1,
-        "vocab_size": vocab, "draft_vocab_size": draft_vocab, "target_hidden_size": target_hidden,
+        "architectures": [DRAFT_ARCH],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": 1,
+        "vocab_size": vocab,
+        "draft_vocab_size": draft_vocab,
+        "target_hidden_size": target_hidden,
         # The rotary cache covers max_position_embeddings + 20; keep seq + ttt inside it so no rebuild is timed.
-        "max_position_embeddings": max(2048, seq + ttt), "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "rope_scaling": None, "initializer_range": 0.02, "pretraining_tp": 1, "tie_word_embeddings": False,
+        "max_position_embeddings": max(2048, seq + ttt),
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     }
-    target = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": target_hidden,
-              "vocab_size": vocab, "num_attention_heads": 1, "num_key_value_heads": 1, "num_hidden_layers": 1,
-              "intermediate_size": 4 * target_hidden}
+    target = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": target_hidden,
+        "vocab_size": vocab,
+        "num_attention_heads": 1,
+        "num_key_value_heads": 1,
+        "num_hidden_layers": 1,
+        "intermediate_size": 4 * target_hidden,
+    }
     draft_file = workdir / "draft_config.json"
     draft_file.write_text(json.dumps(draft))
     target_dir = workdir / "target"
@@ -222,7 +257,7 @@ def _build_target_head(sf, target_dir: Path, vocab: int, target_hidden: int, dev
     """TargetHead as TargetHead.from_pretrained leaves it (frozen, eval, bf16), with random weights."""
     head = sf.TargetHead(str(target_dir))
     with torch.no_grad():
-        head.fc.weight.copy_(torch.randn(vocab, target_hidden, generator=gen) * target_hidden ** -0.5)
+        head.fc.weight.copy_(torch.randn(vocab, target_hidden, generator=gen) * target_hidden**-0.5)
     head.freeze_weights()
     return head.eval().to(device=device, dtype=torch.bfloat16)
 
@@ -240,11 +275,13 @@ def _build_batch(sf, *, vocab, target_hidden, seq, dtype, device, gen):
     tensors = sf.normalize_offline_sample(raw, max_len=seq)
     # Already on the device, so the strategy's .to(device) calls are no-ops and no H2D copy is timed.
     tensors = {k: v.to(device) for k, v in tensors.items()}
-    return sf.TrainBatch(sample_ids=["bench-0"], strategy="eagle3", tensors=tensors,
-                         metadata={"target_repr": "hidden_state"})
+    return sf.TrainBatch(
+        sample_ids=["bench-0"], strategy="eagle3", tensors=tensors, metadata={"target_repr": "hidden_state"}
+    )
 
 
 # ---------------------------------------------------------------- trainer pieces
+
 
 def _ensure_process_group(sf) -> None:
     """One-rank process group the way SpecForge's CLI sets it up for a direct one-GPU run (needed by FSDP)."""
@@ -254,8 +291,13 @@ def _ensure_process_group(sf) -> None:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
-                           ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+        for key, value in (
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("LOCAL_RANK", "0"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", str(port)),
+        ):
             os.environ.setdefault(key, value)
     os.environ.setdefault("FSDP_SHARDING", "SHARD_GRAD_OP")  # SpecForge's TrainingConfig.fsdp_sharding default
     sf.init_distributed(timeout=10)
@@ -263,9 +305,12 @@ def _ensure_process_group(sf) -> None:
 
 def _optimizer_factory(sf, total_steps: int):
     """BF16Optimizer with SpecForge's TrainingConfig defaults (lr 1e-4, clip 0.5, 1.5% warmup, cosine)."""
+
     def make(draft_module):
-        return sf.BF16Optimizer(draft_module, lr=1e-4, max_grad_norm=0.5, warmup_ratio=0.015,
-                                lr_scheduler="cosine", total_steps=total_steps)
+        return sf.BF16Optimizer(
+            draft_module, lr=1e-4, max_grad_norm=0.5, warmup_ratio=0.015, lr_scheduler="cosine", total_steps=total_steps
+        )
+
     return make
 
 
@@ -299,19 +344,35 @@ class _ReferenceLoss:
         return self._fn(logits, target_p, position_mask)
 
 
-def build_specforge_step(*, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, vocab: int,
-                         draft_vocab: int, target_hidden: int | None = None, seq: int, ttt: int = 7,
-                         device: torch.device | str | None = None, dtype: str = "bfloat16",
-                         attention: str | None = None, seed: int = 0, wrapper: str = "none",
-                         wheel: str | None = None, total_steps: int = 10_000) -> Callable[[], float]:
+def build_specforge_step(
+    *,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    vocab: int,
+    draft_vocab: int,
+    target_hidden: int | None = None,
+    seq: int,
+    ttt: int = 7,
+    device: torch.device | str | None = None,
+    dtype: str = "bfloat16",
+    attention: str | None = None,
+    seed: int = 0,
+    wrapper: str = "none",
+    wheel: str | None = None,
+    total_steps: int = 10_000,
+) -> Callable[[], float]:
     """Build SpecForge's offline EAGLE-3 training step at these shapes (batch 1); returns ``step() -> loss``.
 
     ``attention=None`` means flex_attention on CUDA, sdpa on the CPU. ``wrapper`` is "none" or "fsdp" (SpecForge's
     one-rank FSDP wrap). Attributes on the returned function: ``backend``, ``loss_impl``, ``wrapper``,
     ``specforge_version``, ``specforge_location``, ``specforge_modules``, ``last_result`` (SpecForge's StepResult).
     """
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available()
-                                                                         else "cpu")
+    device = (
+        torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # SpecForge allocates some tensors on the "current" device
     target_hidden = target_hidden or hidden
@@ -324,29 +385,44 @@ def build_specforge_step(*, hidden: int, heads: int, kv_heads: int, head_dim: in
 
     workdir = Path(tempfile.mkdtemp(prefix="specforge-step-"))
     draft_file, target_dir = _write_configs(
-        workdir, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=intermediate,
-        vocab=vocab, draft_vocab=draft_vocab, target_hidden=target_hidden, seq=seq, ttt=ttt)
+        workdir,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate=intermediate,
+        vocab=vocab,
+        draft_vocab=draft_vocab,
+        target_hidden=target_hidden,
+        seq=seq,
+        ttt=ttt,
+    )
     draft = _build_draft(sf, draft_file, attention, torch_dtype, device, vocab, draft_vocab, gen)
     # build_eagle3_model: the wrapper is cast to the run dtype too
     model = sf.OnlineEagle3Model(draft_model=draft, length=ttt, attention_backend=attention).to(
-        device=device, dtype=torch_dtype)
+        device=device, dtype=torch_dtype
+    )
     target_head = _build_target_head(sf, target_dir, vocab, target_hidden, device, gen)
 
     if wrapper == "fsdp":
         _ensure_process_group(sf)
-    backend = sf.FSDPTrainingBackend(sf.ParallelConfig.from_distributed(),
-                                     optimizer_factory=_optimizer_factory(sf, total_steps))
+    backend = sf.FSDPTrainingBackend(
+        sf.ParallelConfig.from_distributed(), optimizer_factory=_optimizer_factory(sf, total_steps)
+    )
     wrapped = backend.prepare_model(model, wrap=wrapper == "fsdp", optimizer_target=model.draft_model)
-    strategy = sf.build_step(wrapped, target_head=target_head, compact_teacher=False,
-                             compact_teacher_chunk_size=None)
+    strategy = sf.build_step(wrapped, target_head=target_head, compact_teacher=False, compact_teacher_chunk_size=None)
     core = sf.TrainerCore(strategy, backend, accumulation_steps=1)
-    batch = _build_batch(sf, vocab=vocab, target_hidden=target_hidden, seq=seq, dtype=torch_dtype,
-                         device=device, gen=gen)
+    batch = _build_batch(
+        sf, vocab=vocab, target_hidden=target_hidden, seq=seq, dtype=torch_dtype, device=device, gen=gen
+    )
 
     # The Triton loss kernel needs CUDA tensors; elsewhere SpecForge's own reference loss computes the same value.
     use_triton = device.type == "cuda"
-    loss_patch = (contextlib.nullcontext() if use_triton else
-                  mock.patch.object(sf.eagle3_model_module, "LogSoftmaxLoss", _ReferenceLoss(sf.reference_loss)))
+    loss_patch = (
+        contextlib.nullcontext()
+        if use_triton
+        else mock.patch.object(sf.eagle3_model_module, "LogSoftmaxLoss", _ReferenceLoss(sf.reference_loss))
+    )
 
     def step() -> float:
         with loss_patch:
@@ -367,6 +443,7 @@ def build_specforge_step(*, hidden: int, heads: int, kv_heads: int, head_dim: in
 
 # ---------------------------------------------------------------- smoke
 
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--wheel", default=None, help="SpecForge wheel (default: the installed specforge)")
@@ -375,25 +452,52 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--attention", default=None, help="sdpa | flex_attention | fa (default: flex on CUDA)")
     ap.add_argument("--wrapper", default="none", choices=("none", "fsdp"))
-    ap.add_argument("--total-steps", type=int, default=None,
-                    help="LR schedule horizon (default: 10000; --tiny: --steps, so the 1.5%% warmup is 0 steps)")
-    for name, default in (("hidden", 4096), ("heads", 32), ("kv-heads", 8), ("head-dim", 128),
-                          ("intermediate", 14336), ("vocab", 128256), ("draft-vocab", 32000), ("seq", 2048),
-                          ("ttt", 7)):
+    ap.add_argument(
+        "--total-steps",
+        type=int,
+        default=None,
+        help="LR schedule horizon (default: 10000; --tiny: --steps, so the 1.5%% warmup is 0 steps)",
+    )
+    for name, default in (
+        ("hidden", 4096),
+        ("heads", 32),
+        ("kv-heads", 8),
+        ("head-dim", 128),
+        ("intermediate", 14336),
+        ("vocab", 128256),
+        ("draft-vocab", 32000),
+        ("seq", 2048),
+        ("ttt", 7),
+    ):
         ap.add_argument(f"--{name}", type=int, default=default)
     a = ap.parse_args(argv)
-    shapes = dict(TINY) if a.tiny else {
-        "hidden": a.hidden, "heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
-        "intermediate": a.intermediate, "vocab": a.vocab, "draft_vocab": a.draft_vocab, "target_hidden": a.hidden,
-        "seq": a.seq, "ttt": a.ttt}
+    shapes = (
+        dict(TINY)
+        if a.tiny
+        else {
+            "hidden": a.hidden,
+            "heads": a.heads,
+            "kv_heads": a.kv_heads,
+            "head_dim": a.head_dim,
+            "intermediate": a.intermediate,
+            "vocab": a.vocab,
+            "draft_vocab": a.draft_vocab,
+            "target_hidden": a.hidden,
+            "seq": a.seq,
+            "ttt": a.ttt,
+        }
+    )
     t0 = time.perf_counter()
     # With SpecForge's 1.5% warmup over a long horizon the first steps have a near-zero LR; the smoke's short
     # horizon lets the loss visibly move.
     total_steps = a.total_steps or (a.steps if a.tiny else 10_000)
-    step = build_specforge_step(**shapes, device=a.device, attention=a.attention, wrapper=a.wrapper, wheel=a.wheel,
-                                total_steps=total_steps)
-    print(f"specforge {step.specforge_version} from {step.specforge_location}; device={step.device} "
-          f"backend={step.backend} loss={step.loss_impl} wrapper={step.wrapper}; build {time.perf_counter() - t0:.1f}s")
+    step = build_specforge_step(
+        **shapes, device=a.device, attention=a.attention, wrapper=a.wrapper, wheel=a.wheel, total_steps=total_steps
+    )
+    print(
+        f"specforge {step.specforge_version} from {step.specforge_location}; device={step.device} "
+        f"backend={step.backend} loss={step.loss_impl} wrapper={step.wrapper}; build {time.perf_counter() - t0:.1f}s"
+    )
     for i in range(a.steps):
         t1 = time.perf_counter()
         loss = step()

@@ -26,6 +26,7 @@
 
 All return `[B, heads, T, head_dim]`; scores and softmax are computed in fp32 (or fp64).
 """
+
 from __future__ import annotations
 
 import math
@@ -91,7 +92,7 @@ class DenseTTTAttention:
             self.k0, self.v0 = k, v
             scores = upcast(q @ k.transpose(-1, -2)) * scale
             probs = _softmax_fp32(scores.masked_fill(~mask, NEG_INF))
-            return (probs.to(v.dtype) @ v)
+            return probs.to(v.dtype) @ v
         self.k_steps.append(k)
         self.v_steps.append(v)
         scores0 = (upcast(q @ self.k0.transpose(-1, -2)) * scale).masked_fill(~mask, NEG_INF)
@@ -203,8 +204,15 @@ class FlexTTTAttention:
         full = torch.cat([self.full0] + [zeros] * (steps - 1), dim=-1)
         count, cols = _ordered(partial)
         full_count, full_cols = _ordered(full)
-        return BlockMask.from_kv_blocks(count, cols, full_count, full_cols, BLOCK_SIZE=self.bs,
-                                        mask_mod=self.mask_mod(), seq_lengths=(self.tp, steps * self.tp))
+        return BlockMask.from_kv_blocks(
+            count,
+            cols,
+            full_count,
+            full_cols,
+            BLOCK_SIZE=self.bs,
+            mask_mod=self.mask_mod(),
+            seq_lengths=(self.tp, steps * self.tp),
+        )
 
     def attend(self, q, k, v):
         """q [B, Hq, T, D]; k, v [B, Hkv, T, D] with Hkv dividing Hq (grouped as repeat_interleave)."""
@@ -213,8 +221,9 @@ class FlexTTTAttention:
         keys = torch.cat(self.ks, dim=-2) if len(self.ks) > 1 else self.ks[0]
         values = torch.cat(self.vs, dim=-2) if len(self.vs) > 1 else self.vs[0]
         kernel = _flex_kernel(q.device)
-        out = kernel(self._pad(q), keys, values, block_mask=self.block_mask(len(self.ks)),
-                     enable_gqa=q.shape[1] != k.shape[1])
+        out = kernel(
+            self._pad(q), keys, values, block_mask=self.block_mask(len(self.ks)), enable_gqa=q.shape[1] != k.shape[1]
+        )
         return out[..., : self.t, :]
 
 

@@ -24,6 +24,7 @@ content as `<think>\\n{reasoning}\\n</think>\\n\\n{content}` and masked with it.
 TODO: templates that render `reasoning_content` natively (Qwen3, DeepSeek-R1) and drop it
 from earlier turns are not special-cased; they are checked (and refused) by the round trip.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -72,10 +73,10 @@ def _plain(messages: Sequence[dict], keep_reasoning: bool) -> list[dict]:
     return out
 
 
-def render(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False,
-           **template_kwargs: Any) -> str:
-    return tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, **template_kwargs)
+def render(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False, **template_kwargs: Any) -> str:
+    return tokenizer.apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+    )
 
 
 def generation_prompt_ids(tokenizer, messages: Sequence[dict], **template_kwargs: Any) -> list[int]:
@@ -84,8 +85,9 @@ def generation_prompt_ids(tokenizer, messages: Sequence[dict], **template_kwargs
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def assistant_char_spans(tokenizer, messages: Sequence[dict], keep_reasoning: bool = True,
-                         **template_kwargs: Any) -> tuple[str, list[tuple[int, int]]]:
+def assistant_char_spans(
+    tokenizer, messages: Sequence[dict], keep_reasoning: bool = True, **template_kwargs: Any
+) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the [start, end) character span of each assistant text."""
     plain = _plain(messages, keep_reasoning)
     full = render(tokenizer, plain, **template_kwargs)
@@ -112,8 +114,13 @@ def assistant_char_spans(tokenizer, messages: Sequence[dict], keep_reasoning: bo
     return full, spans
 
 
-def tokenize_conversation(tokenizer, messages: Sequence[dict], keep_reasoning: bool = True,
-                          end_of_turn: Sequence[bool] | bool = True, **template_kwargs: Any) -> Tokenized:
+def tokenize_conversation(
+    tokenizer,
+    messages: Sequence[dict],
+    keep_reasoning: bool = True,
+    end_of_turn: Sequence[bool] | bool = True,
+    **template_kwargs: Any,
+) -> Tokenized:
     """Token ids and assistant loss mask of a whole conversation, checked by round trip.
 
     `end_of_turn`: per assistant turn (or for all), whether its end-of-turn token is masked.
@@ -129,8 +136,11 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict], keep_reasoning: b
     special = set(tokenizer.all_special_ids)
     mask = [0] * len(ids)
     turn_spans = []
-    texts = [m["content"] if m["role"] != "assistant" else assistant_text(m, keep_reasoning)
-             for m in messages if m["role"] == "assistant"]
+    texts = [
+        m["content"] if m["role"] != "assistant" else assistant_text(m, keep_reasoning)
+        for m in messages
+        if m["role"] == "assistant"
+    ]
     for turn, ((cs, ce), with_eot) in enumerate(zip(spans, eot_flags)):
         inside = []
         eot_index = None
@@ -151,8 +161,9 @@ def tokenize_conversation(tokenizer, messages: Sequence[dict], keep_reasoning: b
         if with_eot and eot_index is not None and ids[eot_index] in special:
             chosen.append(eot_index)
             eot_text = tokenizer.decode([ids[eot_index]])
-        decoded = tokenizer.decode([ids[j] for j in chosen], skip_special_tokens=False,
-                                   clean_up_tokenization_spaces=False)
+        decoded = tokenizer.decode(
+            [ids[j] for j in chosen], skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
         if decoded != texts[turn] + eot_text:
             raise TemplateError(
                 f"{template_name(tokenizer)}: assistant turn {turn}: masked tokens decode to {decoded[:80]!r}, "
@@ -181,8 +192,9 @@ def check_template(tokenizer, **template_kwargs: Any) -> None:
         tokenize_conversation(tokenizer, PROBE_CONVERSATION, keep_reasoning=keep, **template_kwargs)
 
 
-def apply_length_policy(tok: Tokenized, max_length: int,
-                        policy: Literal["truncate", "drop"]) -> tuple[Tokenized | None, str | None]:
+def apply_length_policy(
+    tok: Tokenized, max_length: int, policy: Literal["truncate", "drop"]
+) -> tuple[Tokenized | None, str | None]:
     """(sample, None) if it fits or was truncated, else (None, skip reason).
 
     A truncated sample keeps its first `max_length` tokens; if no assistant token is left

@@ -15,6 +15,7 @@ distribution; the backward recomputes z for each block (one more x W^T matmul) a
 the gradients from q - p. The same numbers up to rounding; the test holds the two paths to
 each other in float64, values and gradients.
 """
+
 from __future__ import annotations
 
 import torch

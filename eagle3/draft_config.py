@@ -1,4 +1,5 @@
 """Architecture of the EAGLE-3 draft: one Llama decoder layer over the target's features."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -13,6 +13,7 @@ output. This is the serving engine's convention:
 The real failure this prevents: a draft trained on `[-1, 3, 31]` and served with an
 engine capturing `[2, 30, 58]` scored 75% offline and ~1.6 accepted tokens served.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -26,9 +27,7 @@ CONVENTION = "output_of_layer"  # written into artefacts next to the ids
 def default_capture_ids(num_layers: int) -> list[int]:
     """Low, middle and high layer for an `num_layers`-layer target: [1, N//2-1, N-4]."""
     if num_layers < 5:
-        raise ConfigError(
-            f"a target needs at least 5 layers for the default capture ids, got {num_layers}"
-        )
+        raise ConfigError(f"a target needs at least 5 layers for the default capture ids, got {num_layers}")
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
@@ -64,7 +63,7 @@ def hf_hidden_states_index(layer_id: int, num_layers: int) -> int:
 
 def from_sglang_layer_inputs(layers: Sequence[int]) -> list[int]:
     """SGLang names captured layers by whose *input* they are: input of layer l = id l-1."""
-    return [int(l) - 1 for l in layers]
+    return [int(layer) - 1 for layer in layers]
 
 
 def to_sglang_layer_inputs(ids: Sequence[int]) -> list[int]:
@@ -85,8 +84,9 @@ def to_vllm_aux_layer_ids(ids: Sequence[int]) -> list[int]:
 # Target model types whose SGLang 0.5.23 model (deepseek_v2.py, glm4_moe_lite.py) adds 1 to
 # `eagle_aux_hidden_state_layer_ids` only when the first id is 1, and otherwise takes the
 # list as layer inputs. Kimi-K2/K2.5 run on the DeepSeek-V3 language model.
-SGLANG_PLUS_ONE_IF_FIRST_IS_ONE = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25",
-                                             "glm4_moe_lite"})
+SGLANG_PLUS_ONE_IF_FIRST_IS_ONE = frozenset(
+    {"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25", "glm4_moe_lite"}
+)
 
 
 def sglang_layer_inputs(ids: Sequence[int], model_type: str) -> list[int]:
@@ -98,8 +98,9 @@ def sglang_layer_inputs(ids: Sequence[int], model_type: str) -> list[int]:
     return to_sglang_layer_inputs(ids)
 
 
-def check_sglang_servable(ids: Sequence[int], num_layers: int, model_type: str,
-                          field: str = "capture_layer_ids") -> None:
+def check_sglang_servable(
+    ids: Sequence[int], num_layers: int, model_type: str, field: str = "capture_layer_ids"
+) -> None:
     """Refuse capture ids SGLang cannot serve as trained, naming the id and the reason."""
     ids = list(ids)
     if num_layers - 1 in ids:
@@ -124,8 +125,9 @@ def sglang_default_layer_inputs(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
-def sglang_capture_plan(ids: Sequence[int], num_layers: int, model_type: str,
-                        last_input: bool = True) -> tuple[list[int], dict[int, int]]:
+def sglang_capture_plan(
+    ids: Sequence[int], num_layers: int, model_type: str, last_input: bool = True
+) -> tuple[list[int], dict[int, int]]:
     """What to ask an SGLang 0.5.23 engine for (`return_aux_hidden_state_layer_ids`) so that
     it captures the outputs of `ids` and, with `last_input`, of layer N-2, the last layer's
     input (from which the caller computes the last layer and the final norm).
@@ -140,13 +142,17 @@ def sglang_capture_plan(ids: Sequence[int], num_layers: int, model_type: str,
     if model_type in SGLANG_PLUS_ONE_IF_FIRST_IS_ONE:
         # This family takes the list as layer inputs unless it starts with 1 (then it adds 1).
         if inputs[0] == 1:
-            raise ConfigError(f"capture ids {list(ids)}: SGLang cannot capture id 0 first for a {model_type} "
-                              "target (it would read the request [1, ...] as ids and add 1); use capture.backend=hf")
+            raise ConfigError(
+                f"capture ids {list(ids)}: SGLang cannot capture id 0 first for a {model_type} "
+                "target (it would read the request [1, ...] as ids and add 1); use capture.backend=hf"
+            )
         request = inputs
     else:
         # Llama and most families add 1 to every requested id; SGLang refuses negative ids.
         if wanted[0] < 0:
-            raise ConfigError(f"capture ids {list(ids)}: SGLang 0.5.23 cannot return id {EMBEDDING} (the "
-                              f"embeddings) for a {model_type} target; use capture.backend=hf")
+            raise ConfigError(
+                f"capture ids {list(ids)}: SGLang 0.5.23 cannot return id {EMBEDDING} (the "
+                f"embeddings) for a {model_type} target; use capture.backend=hf"
+            )
         request = wanted
     return request, {i: k for k, i in enumerate(wanted)}

@@ -15,6 +15,7 @@ target's greedy choice. With k draft tokens per target pass:
 A packed row holds several samples (`segment_ids`, see eagle3.ttt): each is walked as its
 own sequence, so a walk never continues into the next sample.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -61,8 +62,9 @@ class SlotCounts:
             self.accepted[i] += int(i < m)
 
     def merge(self, other: "SlotCounts") -> "SlotCounts":
-        return SlotCounts([a + b for a, b in zip(self.reached, other.reached)],
-                          [a + b for a, b in zip(self.accepted, other.accepted)])
+        return SlotCounts(
+            [a + b for a, b in zip(self.reached, other.reached)], [a + b for a, b in zip(self.accepted, other.accepted)]
+        )
 
     @property
     def rate(self) -> list[float]:
@@ -96,15 +98,22 @@ class Acceptance:
 
     def merge(self, other: "Acceptance") -> "Acceptance":
         return Acceptance(
-            k=self.k, tokens=self.tokens + other.tokens, passes=self.passes + other.passes,
-            position_sum=self.position_sum + other.position_sum, positions=self.positions + other.positions,
+            k=self.k,
+            tokens=self.tokens + other.tokens,
+            passes=self.passes + other.passes,
+            position_sum=self.position_sum + other.position_sum,
+            positions=self.positions + other.positions,
             slots=self.slots.merge(other.slots),
         )
 
     def as_dict(self) -> dict:
         return {
-            "k": self.k, "acceptance_walk": self.walk, "acceptance_per_position_average": self.per_position_average,
-            "walk_tokens": self.tokens, "walk_passes": self.passes, "per_slot_rate": self.per_slot_rate,
+            "k": self.k,
+            "acceptance_walk": self.walk,
+            "acceptance_per_position_average": self.per_position_average,
+            "walk_tokens": self.tokens,
+            "walk_passes": self.passes,
+            "per_slot_rate": self.per_slot_rate,
         }
 
 
@@ -147,8 +156,13 @@ def segment_runs(segment_ids: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def acceptance(correct: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor, k: int,
-               segment_ids: torch.Tensor | None = None) -> Acceptance:
+def acceptance(
+    correct: torch.Tensor,
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
+    k: int,
+    segment_ids: torch.Tensor | None = None,
+) -> Acceptance:
     """Batch version: correct [B, T, L], masks [B, T]; `segment_ids` [B, T] for packed rows
     (each sample walked on its own), else one sample per row of attention_mask's length."""
     total = Acceptance(k=k)

@@ -14,6 +14,7 @@ layout (`fc`, `midlayer.*`, `norm`, `lm_head`, buffers `d2t`, `t2d`), so export 
 Attention is delegated to a state object (see `eagle3.attention`): the same layer runs the
 training-time-test unroll and the step-by-step KV-cache decode used at inference.
 """
+
 from __future__ import annotations
 
 import torch
@@ -122,8 +123,11 @@ class Eagle3Draft(nn.Module):
         width = cfg.num_aux * cfg.target_hidden_size
         # SGLang's names: `input_norm` (norm_before_fc) and `fc_norm.<i>` (fc_norm).
         self.input_norm = RMSNorm(width, cfg.rms_norm_eps) if cfg.norm_before_fc else None
-        self.fc_norm = (nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux))
-                        if cfg.fc_norm else None)
+        self.fc_norm = (
+            nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux))
+            if cfg.fc_norm
+            else None
+        )
         self.fc = nn.Linear(width, cfg.hidden_size, bias=False)
         self.midlayer = DecoderLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -194,7 +198,9 @@ class Eagle3Draft(nn.Module):
         if self.input_norm is not None:
             aux = self.input_norm(aux)
         if self.fc_norm is not None:
-            aux = torch.cat([norm(part) for norm, part in zip(self.fc_norm, aux.chunk(self.cfg.num_aux, dim=-1))], dim=-1)
+            aux = torch.cat(
+                [norm(part) for norm, part in zip(self.fc_norm, aux.chunk(self.cfg.num_aux, dim=-1))], dim=-1
+            )
         return self.fc(aux)
 
     def step(self, input_ids, hidden, positions, state: AttentionState) -> torch.Tensor:

@@ -16,6 +16,7 @@ The acceptance objectives have small gradients where the draft puts no mass on t
 target's tokens (min(p, q) is flat in q_v when q_v > p_v and the draft is everywhere
 above), which is why the mix keeps a KL term early on.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,8 +59,10 @@ class ObjectiveConfig:
             raise ConfigError(f"{where}.tokens={self.tokens!r} is not 'answer' or 'all'")
         check_ranges(self, where, loss_block_rows=">=0")
         if self.loss_block_rows and self.kind != "soft_ce":
-            raise ConfigError(f"{where}.loss_block_rows={self.loss_block_rows} computes soft_ce in blocks; "
-                              f"{where}.kind={self.kind!r} needs the whole distribution: set it to 0")
+            raise ConfigError(
+                f"{where}.loss_block_rows={self.loss_block_rows} computes soft_ce in blocks; "
+                f"{where}.kind={self.kind!r} needs the whole distribution: set it to 0"
+            )
 
 
 def acceptance_rate(log_q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
 Unknown keys are refused and wrong types are named by their dotted path, so a typo in
 an override (`train.ttt_lenght=5`) fails loudly instead of being silently ignored.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -80,9 +81,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, path: str = "") -> T
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = path or cls.__name__
-        raise ConfigError(
-            f"{where}: unknown key(s) {unknown}; known keys are {sorted(fields)}"
-        )
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; known keys are {sorted(fields)}")
     kwargs = {}
     for name, field in fields.items():
         sub = f"{path}.{name}" if path else name

@@ -35,6 +35,7 @@ Read from SGLang 0.5.23's source (the version pinned here); its paged branch
 Layer ids follow `eagle3.layer_ids` (id i = output of decoder layer i, -1 = embeddings),
 captured by forward hooks. Batch size 1; this is a yardstick, not a server.
 """
+
 from __future__ import annotations
 
 import math
@@ -71,8 +72,10 @@ def check_tree_args(num_steps: int, topk: int, num_draft_tokens: int) -> None:
             f"(1 + topk + (num_steps-1)*topk^2 for num_steps={num_steps}, topk={topk})"
         )
     if topk == 1 and num_draft_tokens != num_steps + 1:
-        raise ValueError(f"chain drafting (topk=1) verifies num_steps+1={num_steps + 1} tokens, "
-                         f"not num_draft_tokens={num_draft_tokens}")
+        raise ValueError(
+            f"chain drafting (topk=1) verifies num_steps+1={num_steps + 1} tokens, "
+            f"not num_draft_tokens={num_draft_tokens}"
+        )
 
 
 class Drafter(Protocol):
@@ -186,9 +189,11 @@ def select_tree(tokens, parents, depths, scores, keep: int) -> DraftTree:
             raise AssertionError(f"draft tree selection is not ancestor-closed at candidate {i}")
     order = sorted(best, key=lambda i: (depths[i], i))
     where = {c: j for j, c in enumerate(order)}
-    return DraftTree(tokens=[tokens[c] for c in order],
-                     parents=[-1 if parents[c] == -1 else where[parents[c]] for c in order],
-                     depths=[depths[c] for c in order])
+    return DraftTree(
+        tokens=[tokens[c] for c in order],
+        parents=[-1 if parents[c] == -1 else where[parents[c]] for c in order],
+        depths=[depths[c] for c in order],
+    )
 
 
 class TargetRunner:
@@ -219,8 +224,13 @@ class TargetRunner:
             additive = torch.zeros(mask.shape, dtype=dtype, device=dev)
             additive.masked_fill_(~mask.to(dev), torch.finfo(dtype).min)
             kwargs["attention_mask"] = additive[None, None]
-        out = self.model(input_ids=ids, position_ids=torch.tensor([positions], device=dev),
-                         past_key_values=self.cache, use_cache=True, **kwargs)
+        out = self.model(
+            input_ids=ids,
+            position_ids=torch.tensor([positions], device=dev),
+            past_key_values=self.cache,
+            use_cache=True,
+            **kwargs,
+        )
         return out.logits[0], self.tap.aux()[0]
 
     def keep_rows(self, past: int, rows: list[int]) -> None:
@@ -269,9 +279,18 @@ class SpeculativeDecoder:
     with probability p(y); on rejection the token comes from p without the rejected
     children), so the output is distributed as plain sampling from the target."""
 
-    def __init__(self, target_model, drafter: Drafter, capture_ids: list[int], num_steps: int,
-                 topk: int = 1, num_draft_tokens: int | None = None, eos_token_ids=(), temperature: float = 0.0,
-                 generator: torch.Generator | None = None):
+    def __init__(
+        self,
+        target_model,
+        drafter: Drafter,
+        capture_ids: list[int],
+        num_steps: int,
+        topk: int = 1,
+        num_draft_tokens: int | None = None,
+        eos_token_ids=(),
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ):
         num_draft_tokens = num_steps + 1 if num_draft_tokens is None else num_draft_tokens
         check_tree_args(num_steps, topk, num_draft_tokens)
         if temperature < 0:
@@ -338,8 +357,15 @@ def truncate_at_eos(tokens: list[int], eos) -> list[int]:
 
 
 @torch.no_grad()
-def greedy_decode(target_model, prompt: list[int], max_new_tokens: int, eos_token_ids=(), margins: list | None = None,
-                  temperature: float = 0.0, generator: torch.Generator | None = None) -> tuple[list[int], float]:
+def greedy_decode(
+    target_model,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos_token_ids=(),
+    margins: list | None = None,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], float]:
     """Plain decoding with a KV cache, one target forward per token: the reference output
     and the baseline speed; greedy, or sampled at `temperature` > 0. `margins`, when given,
     receives (top-1 logit, top-1 minus top-2) at each generated position (how close the
@@ -360,7 +386,8 @@ def greedy_decode(target_model, prompt: list[int], max_new_tokens: int, eos_toke
     logits = target_model(input_ids=torch.tensor([prompt], device=dev), past_key_values=cache, use_cache=True).logits
     out = [pick(logits)]
     while len(out) < max_new_tokens and out[-1] not in eos:
-        logits = target_model(input_ids=torch.tensor([[out[-1]]], device=dev), past_key_values=cache,
-                               use_cache=True).logits
+        logits = target_model(
+            input_ids=torch.tensor([[out[-1]]], device=dev), past_key_values=cache, use_cache=True
+        ).logits
         out.append(pick(logits))
     return out, time.perf_counter() - t0

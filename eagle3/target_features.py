@@ -8,6 +8,7 @@ returned hidden state; the target head then needs only the lm_head (`final_is_no
 Batches from per-sample states: `collate_samples` (one sample per row, right padding) and
 `pack_samples` (several samples per row, with `position_ids` and `segment_ids`, see eagle3.ttt).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ class LayerTap:
     def _keep(self, layer_id: int):
         def hook(_module, _inputs, output):
             self.grabbed[layer_id] = output[0] if isinstance(output, tuple) else output
+
         return hook
 
     def aux(self) -> torch.Tensor:
@@ -90,9 +92,11 @@ def pad_right(sequences: list[list[int]], masks: list[list[int]], pad_id: int = 
     for i, (s, m) in enumerate(zip(sequences, masks)):
         if len(s) != len(m):
             raise ValueError(f"sequence {i}: {len(s)} tokens but a loss mask of {len(m)}")
-    return (pad_stack([torch.as_tensor(s, dtype=torch.long) for s in sequences], pad_id),
-            pad_stack([torch.as_tensor(m, dtype=torch.long) for m in masks], 0),
-            pad_stack([torch.ones(len(s), dtype=torch.bool) for s in sequences], False))
+    return (
+        pad_stack([torch.as_tensor(s, dtype=torch.long) for s in sequences], pad_id),
+        pad_stack([torch.as_tensor(m, dtype=torch.long) for m in masks], 0),
+        pad_stack([torch.ones(len(s), dtype=torch.bool) for s in sequences], False),
+    )
 
 
 def padded_layout(attention_mask: torch.Tensor) -> dict:
@@ -106,8 +110,14 @@ def collate_samples(samples, pad_id: int = 0) -> dict:
     """A training batch from per-sample dicts (input_ids, loss_mask [T], aux, final [T, .]),
     e.g. read from the hidden-state store: states keep their dtype. One sample per row."""
     ids, loss, attn = pad_right([s["input_ids"] for s in samples], [s["loss_mask"] for s in samples], pad_id)
-    return {"input_ids": ids, "loss_mask": loss, "attention_mask": attn, **padded_layout(attn),
-            "aux": pad_stack([s["aux"] for s in samples]), "final": pad_stack([s["final"] for s in samples])}
+    return {
+        "input_ids": ids,
+        "loss_mask": loss,
+        "attention_mask": attn,
+        **padded_layout(attn),
+        "aux": pad_stack([s["aux"] for s in samples]),
+        "final": pad_stack([s["final"] for s in samples]),
+    }
 
 
 @dataclass
@@ -170,15 +180,21 @@ def pack_samples(samples, max_seq_len: int, pad_id: int = 0, rows_per_batch: int
         for members in group:
             parts = [cut[i] for i in members]
             ids = torch.cat([torch.as_tensor(p["input_ids"], dtype=torch.long) for p in parts])
-            packed.append({
-                "input_ids": ids,
-                "loss_mask": torch.cat([torch.as_tensor(p["loss_mask"], dtype=torch.long) for p in parts]),
-                "aux": torch.cat([p["aux"] for p in parts]),
-                "final": torch.cat([p["final"] for p in parts]),
-                "position_ids": torch.cat([torch.arange(len(p["input_ids"]), device=ids.device) for p in parts]),
-                "segment_ids": torch.cat([torch.full((len(p["input_ids"]),), r, dtype=torch.long, device=ids.device)
-                                          for r, p in enumerate(parts)]),
-            })
+            packed.append(
+                {
+                    "input_ids": ids,
+                    "loss_mask": torch.cat([torch.as_tensor(p["loss_mask"], dtype=torch.long) for p in parts]),
+                    "aux": torch.cat([p["aux"] for p in parts]),
+                    "final": torch.cat([p["final"] for p in parts]),
+                    "position_ids": torch.cat([torch.arange(len(p["input_ids"]), device=ids.device) for p in parts]),
+                    "segment_ids": torch.cat(
+                        [
+                            torch.full((len(p["input_ids"]),), r, dtype=torch.long, device=ids.device)
+                            for r, p in enumerate(parts)
+                        ]
+                    ),
+                }
+            )
         batch = {
             "input_ids": pad_stack([p["input_ids"] for p in packed], pad_id),
             "loss_mask": pad_stack([p["loss_mask"] for p in packed], 0),
@@ -201,5 +217,11 @@ def capture_batch(model, sequences, masks, layer_ids, pad_id: int = 0, dtype=Non
     aux, final = capture_states(model, ids, attn.long(), layer_ids)
     if dtype is not None:
         aux, final = aux.to(dtype), final.to(dtype)
-    return {"input_ids": ids, "loss_mask": loss, "attention_mask": attn, **padded_layout(attn),
-            "aux": aux, "final": final}
+    return {
+        "input_ids": ids,
+        "loss_mask": loss,
+        "attention_mask": attn,
+        **padded_layout(attn),
+        "aux": aux,
+        "final": final,
+    }

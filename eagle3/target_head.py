@@ -5,6 +5,7 @@ target's frozen lm_head (and final norm, when the store says `final` is pre-norm
 the final hidden state back into logits, in chunks so that the full-vocab logits of a
 long batch never sit in memory at once.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,8 +49,9 @@ class TargetHead(nn.Module):
         return torch.cat(probs).view(b, t, -1), torch.cat(argmax).view(b, t)
 
     @torch.no_grad()
-    def token_probs(self, final: torch.Tensor, tokens: torch.Tensor, temperature: float,
-                    chunk: int = 2048) -> torch.Tensor:
+    def token_probs(
+        self, final: torch.Tensor, tokens: torch.Tensor, temperature: float, chunk: int = 2048
+    ) -> torch.Tensor:
         """The target's probability of `tokens` [B, T] (target ids) under softmax(logits /
         temperature) over its whole vocabulary, from the final state at the same positions
         -> [B, T] fp32. Chunked like forward()."""
@@ -63,4 +65,3 @@ class TargetHead(nn.Module):
             logp = torch.log_softmax((x.to(self.weight.dtype) @ self.weight.T).float() / temperature, dim=-1)
             out.append(logp.gather(-1, ids[s : s + chunk, None].long()).squeeze(-1).exp())
         return torch.cat(out).view(b, t)
-

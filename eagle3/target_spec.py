@@ -4,6 +4,7 @@ The preset states the architecture facts that every later artefact depends on (l
 count, hidden size, vocab, capture ids). `check_against_hf_config` refuses a checkpoint
 that contradicts them, naming the field, instead of letting a wrong wiring train quietly.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -44,8 +45,15 @@ class TargetSpec:
     seed: int = 0
 
     def validate(self, where: str = "target") -> None:
-        for name in ("num_layers", "hidden_size", "vocab_size", "num_attention_heads",
-                     "num_key_value_heads", "intermediate_size", "tp_size"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "vocab_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "tp_size",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{where}.{name} must be positive, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -69,10 +77,16 @@ class TargetSpec:
     def layer_shape(self) -> dict:
         """The shape of one of the target's decoder layers, in HF Llama config names (an EAGLE-3
         draft layer copies it; the tiny target is built from it)."""
-        return {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-                "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
-                "head_dim": self.resolved_head_dim, "rms_norm_eps": self.rms_norm_eps,
-                "max_position_embeddings": self.max_position_embeddings, "vocab_size": self.vocab_size}
+        return {
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.resolved_head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+        }
 
     def check_against_hf_config(self, hf_config: Any, where: str = "target") -> None:
         """Refuse a checkpoint whose config contradicts this preset, naming the field."""

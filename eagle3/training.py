@@ -9,6 +9,7 @@ of tensors:
     input_ids [B, T] int64      loss_mask [B, T]      attention_mask [B, T] (right padding)
     aux [B, T, n*H_t]           final [B, T, H_t]     (target states, see storage/)
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,17 @@ class OptimConfig:
 
     def validate(self, where: str = "optim") -> None:
         # grad_clip <= 0 would zero every gradient; betas outside [0, 1) diverge.
-        check_ranges(self, where, lr=">0", weight_decay=">=0", warmup_steps=">=0", min_lr_ratio="[0,1]",
-                     grad_clip=">0", betas="[0,1)", horizon_steps=">=1")
+        check_ranges(
+            self,
+            where,
+            lr=">0",
+            weight_decay=">=0",
+            warmup_steps=">=0",
+            min_lr_ratio="[0,1]",
+            grad_clip=">0",
+            betas="[0,1)",
+            horizon_steps=">=1",
+        )
         if len(self.betas) != 2:
             raise ConfigError(f"{where}.betas must have two values, got {self.betas}")
 
@@ -65,8 +75,9 @@ class LoopConfig:
         self.ttt.validate(f"{where}.ttt")
         self.objective.validate(f"{where}.objective")
         self.optim.validate(f"{where}.optim")
-        check_ranges(self, where, steps=">=1", acceptance_k=">=1", log_every=">=1", eval_every=">=1",
-                     checkpoint_every=">=0")
+        check_ranges(
+            self, where, steps=">=1", acceptance_k=">=1", log_every=">=1", eval_every=">=1", checkpoint_every=">=0"
+        )
         if self.acceptance_k > self.ttt.length:
             raise ConfigError(
                 f"{where}.acceptance_k={self.acceptance_k} exceeds {where}.ttt.length={self.ttt.length}: "
@@ -86,8 +97,9 @@ def lr_at(step: int, total: int, cfg: OptimConfig) -> float:
 
 def make_optimizer(draft: Eagle3Draft, cfg: OptimConfig) -> torch.optim.Optimizer:
     params = [p for p in draft.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas),
-                             fused=fused_adamw(params))
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas), fused=fused_adamw(params)
+    )
 
 
 def fused_adamw(params: list[torch.Tensor]) -> bool:
@@ -98,8 +110,15 @@ def fused_adamw(params: list[torch.Tensor]) -> bool:
     return bool(params) and all(p.device.type == "cuda" for p in params)
 
 
-def forward_batch(draft, head: TargetHead, batch: dict, ttt: TTTConfig, train: bool, generator=None,
-                  objective: ObjectiveConfig | None = None):
+def forward_batch(
+    draft,
+    head: TargetHead,
+    batch: dict,
+    ttt: TTTConfig,
+    train: bool,
+    generator=None,
+    objective: ObjectiveConfig | None = None,
+):
     """Unroll and score one batch; returns StepScores (loss differentiable when train).
 
     Packed batches (eagle3.target_features.pack_samples) also carry `position_ids` and
@@ -109,16 +128,25 @@ def forward_batch(draft, head: TargetHead, batch: dict, ttt: TTTConfig, train: b
         aux = add_noise(aux, ttt.noise, generator)
     probs, best = head(batch["final"], draft.target_ids())
     segments = batch.get("segment_ids")
-    hiddens = unroll(draft, batch["input_ids"], aux, batch["attention_mask"], ttt.length,
-                     position_ids=batch.get("position_ids"), segment_ids=segments, attention=ttt.attention,
-                     shift_positions=ttt.positions == "shifted")
+    hiddens = unroll(
+        draft,
+        batch["input_ids"],
+        aux,
+        batch["attention_mask"],
+        ttt.length,
+        position_ids=batch.get("position_ids"),
+        segment_ids=segments,
+        attention=ttt.attention,
+        shift_positions=ttt.positions == "shifted",
+    )
     objective = objective or ObjectiveConfig()
     scored = batch["loss_mask"]
     if train and objective.tokens == "all":
         scored = batch["attention_mask"]  # the prompt's positions too (ObjectiveConfig.tokens)
     weights = step_weights(scored, batch["attention_mask"], ttt.length, segment_ids=segments)
-    return score_steps(draft, hiddens, probs, best, weights, ttt.decay, objective,
-                       real_positions=batch["attention_mask"].sum())
+    return score_steps(
+        draft, hiddens, probs, best, weights, ttt.decay, objective, real_positions=batch["attention_mask"].sum()
+    )
 
 
 def autocast_for(dtype: str, device: torch.device):
@@ -161,14 +189,17 @@ def train_step(opt, head, micro_batches: list[dict], lr: float, cfg: LoopConfig,
     scores = []
     for batch in micro_batches:
         with autocast_for(cfg.compute_dtype, batch["input_ids"].device):
-            s = forward_batch(opt.module, head, batch, cfg.ttt, train=True, generator=generator,
-                              objective=cfg.objective)
+            s = forward_batch(
+                opt.module, head, batch, cfg.ttt, train=True, generator=generator, objective=cfg.objective
+            )
         opt.backward(s.loss, len(micro_batches))
         scores.append(s)
     grad_norm = opt.finish()
     n, steps = len(scores), range(cfg.ttt.length)
     return {
-        "loss": sum(float(s.loss.detach()) for s in scores) / n, "lr": lr, "grad_norm": grad_norm,
+        "loss": sum(float(s.loss.detach()) for s in scores) / n,
+        "lr": lr,
+        "grad_norm": grad_norm,
         "step_acc": [sum(s.step_acc[j] for s in scores) / n for j in steps],
         "step_loss": [sum(s.step_loss[j] for s in scores) / n for j in steps],
         "step_alpha": [sum(s.step_alpha[j] for s in scores) / n for j in steps],
@@ -191,11 +222,18 @@ def evaluate(draft, head, batches: Iterable[dict], cfg: LoopConfig) -> dict:
             hits[j] += float((s.correct[..., j].float() * w).sum())
             alphas[j] += float(s.step_alpha_t[j]) * float(w.sum())
             counts[j] += float(w.sum())
-        acc = acceptance(s.correct, batch["loss_mask"], batch["attention_mask"], cfg.acceptance_k,
-                         segment_ids=batch.get("segment_ids"))
+        acc = acceptance(
+            s.correct,
+            batch["loss_mask"],
+            batch["attention_mask"],
+            cfg.acceptance_k,
+            segment_ids=batch.get("segment_ids"),
+        )
         total_acc = acc if total_acc is None else total_acc.merge(acc)
-    out = {"step_acc": [h / c if c else float("nan") for h, c in zip(hits, counts)],
-           "step_alpha": [a / c if c else float("nan") for a, c in zip(alphas, counts)]}
+    out = {
+        "step_acc": [h / c if c else float("nan") for h, c in zip(hits, counts)],
+        "step_alpha": [a / c if c else float("nan") for a, c in zip(alphas, counts)],
+    }
     if total_acc is not None:
         out.update(total_acc.as_dict())
     return out
@@ -218,8 +256,16 @@ class LoopState:
     best: dict | None = None  # {"step", "acceptance_walk"} of the best evaluation so far
 
 
-def fit(opt, head, next_batches: Callable[[], list[dict]], cfg: LoopConfig, generator: torch.Generator,
-        hooks: LoopHooks | None = None, start: int = 0, best: dict | None = None) -> LoopState:
+def fit(
+    opt,
+    head,
+    next_batches: Callable[[], list[dict]],
+    cfg: LoopConfig,
+    generator: torch.Generator,
+    hooks: LoopHooks | None = None,
+    start: int = 0,
+    best: dict | None = None,
+) -> LoopState:
     """Train from step `start` to `cfg.steps`: each step takes its micro-batches from
     `next_batches()`, at the learning rate of the warmup + cosine schedule. Evaluates every
     `eval_every` steps, at the end and before each checkpoint (so a checkpoint knows its
@@ -238,7 +284,8 @@ def fit(opt, head, next_batches: Callable[[], list[dict]], cfg: LoopConfig, gene
         done = step + 1
         record = {"step": step, **figures, "loss": loss, "tokens": tokens}
         checkpoint_now = hooks.checkpoint is not None and (
-            done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0))
+            done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)
+        )
         if hooks.evaluate is not None and (done % cfg.eval_every == 0 or done == cfg.steps or checkpoint_now):
             state.last_eval = record["eval"] = hooks.evaluate()
             walk = state.last_eval["acceptance_walk"] if state.last_eval else None
@@ -253,8 +300,9 @@ def fit(opt, head, next_batches: Callable[[], list[dict]], cfg: LoopConfig, gene
     return state
 
 
-def train_in_memory(draft: Eagle3Draft, head: TargetHead, batches: list[dict], cfg: LoopConfig,
-                    eval_batches: list[dict] | None = None) -> list[dict]:
+def train_in_memory(
+    draft: Eagle3Draft, head: TargetHead, batches: list[dict], cfg: LoopConfig, eval_batches: list[dict] | None = None
+) -> list[dict]:
     """`fit` with the plain optimizer over `batches`, one a step, in turn; returns the logged
     records (step 0, every `log_every` steps, the last), each with its held-out figures
     (`evaluate` on `eval_batches`) where one was due."""
@@ -264,7 +312,9 @@ def train_in_memory(draft: Eagle3Draft, head: TargetHead, batches: list[dict], c
     generator = torch.Generator(device=batches[0]["input_ids"].device).manual_seed(cfg.seed)
     taken = iter(range(cfg.steps))
     history: list[dict] = []
-    hooks = LoopHooks(log=history.append, evaluate=None if eval_batches is None else
-                      (lambda: evaluate(draft, head, eval_batches, cfg)))
+    hooks = LoopHooks(
+        log=history.append,
+        evaluate=None if eval_batches is None else (lambda: evaluate(draft, head, eval_batches, cfg)),
+    )
     fit(PlainOptimizer(draft, cfg.optim), head, lambda: [batches[next(taken) % len(batches)]], cfg, generator, hooks)
     return history

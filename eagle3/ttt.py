@@ -19,6 +19,7 @@ padding); a padded batch derives them from its attention mask. Positions above r
 label x_{t+2+j} lies in another sample is not scored (its weight is 0). Such a step's own
 output feeds only the later steps of the same row, which are unscored as well.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -85,8 +86,9 @@ def add_noise(aux: torch.Tensor, cfg: NoiseConfig, generator: torch.Generator | 
     return aux + noise.to(aux.dtype)
 
 
-def packing_ids(attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
-                segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def packing_ids(
+    attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(position_ids, segment_ids) of a batch; a padded batch (neither given) is one sample
     per row: positions 0..T-1, segment 0 on real tokens and -1 on padding."""
     if segment_ids is None:
@@ -97,9 +99,18 @@ def packing_ids(attention_mask: torch.Tensor, position_ids: torch.Tensor | None 
     return position_ids, segment_ids
 
 
-def unroll(draft: Eagle3Draft, input_ids, aux, attention_mask, length: int, *,
-           position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None,
-           attention: str = "auto", shift_positions: bool = True) -> list[torch.Tensor]:
+def unroll(
+    draft: Eagle3Draft,
+    input_ids,
+    aux,
+    attention_mask,
+    length: int,
+    *,
+    position_ids: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
+    attention: str = "auto",
+    shift_positions: bool = True,
+) -> list[torch.Tensor]:
     """The TTT forward: pre-norm draft hidden states of steps 0..length-1, each [B, T, H].
 
     `attention` picks the TTT attention backend (see eagle3.attention.make_ttt_attention);
@@ -116,8 +127,13 @@ def unroll(draft: Eagle3Draft, input_ids, aux, attention_mask, length: int, *,
     return outs
 
 
-def step_weights(loss_mask: torch.Tensor, attention_mask: torch.Tensor, length: int,
-                 segment_ids: torch.Tensor | None = None, rows: str = "label") -> torch.Tensor:
+def step_weights(
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
+    length: int,
+    segment_ids: torch.Tensor | None = None,
+    rows: str = "label",
+) -> torch.Tensor:
     """[B, T, L] float: 1 where row t's step-j prediction (of x_{t+2+j}) is scored.
 
     rows="label" (training and our figures): that predicted token is real, under the loss
@@ -165,8 +181,16 @@ def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torc
     return -(target_probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
 
 
-def score_steps(draft: Eagle3Draft, hiddens, target_probs, target_argmax, weights, decay: float,
-                objective: ObjectiveConfig | None = None, real_positions: torch.Tensor | None = None) -> StepScores:
+def score_steps(
+    draft: Eagle3Draft,
+    hiddens,
+    target_probs,
+    target_argmax,
+    weights,
+    decay: float,
+    objective: ObjectiveConfig | None = None,
+    real_positions: torch.Tensor | None = None,
+) -> StepScores:
     """Loss and accuracy of each unrolled step against the target, as defined above.
 
     The label of row t at step j is read at t+1+j; where that is another sample's (packed
@@ -188,11 +212,15 @@ def score_steps(draft: Eagle3Draft, hiddens, target_probs, target_argmax, weight
         best = target_argmax[:, 1 + j :]
         denom = w.sum().clamp_min(1.0)
         w_loss = w * draft.t2d[best].to(w.dtype) if objective.skip_unreachable else w
-        loss_denom = (real_positions.to(w.dtype) if objective.normalise == "positions" and real_positions is not None
-                      else w_loss.sum()).clamp_min(1.0)
+        loss_denom = (
+            real_positions.to(w.dtype)
+            if objective.normalise == "positions" and real_positions is not None
+            else w_loss.sum()
+        ).clamp_min(1.0)
         if objective.loss_block_rows:  # soft_ce without keeping [rows, Vd] (eagle3.chunked_loss)
-            per_position, guess, alpha = chunked_soft_ce(draft.norm(hidden[:, :rows]), draft.lm_head.weight, probs,
-                                                         objective.loss_block_rows)
+            per_position, guess, alpha = chunked_soft_ce(
+                draft.norm(hidden[:, :rows]), draft.lm_head.weight, probs, objective.loss_block_rows
+            )
         else:
             logits = draft.logits(hidden[:, :rows])
             per_position, alpha = position_loss(objective.kind, torch.log_softmax(logits.float(), dim=-1), probs)
@@ -205,14 +233,19 @@ def score_steps(draft: Eagle3Draft, hiddens, target_probs, target_argmax, weight
         step_acc.append((hit.float() * w).sum() / denom)
         step_alpha.append((alpha.detach() * w).sum() / denom)
     return StepScores(
-        loss=total, step_loss_t=torch.stack(step_loss), step_acc_t=torch.stack(step_acc),
-        step_alpha_t=torch.stack(step_alpha), correct=torch.stack(correct, dim=-1), weights=weights,
+        loss=total,
+        step_loss_t=torch.stack(step_loss),
+        step_acc_t=torch.stack(step_acc),
+        step_alpha_t=torch.stack(step_alpha),
+        correct=torch.stack(correct, dim=-1),
+        weights=weights,
     )
 
 
 @torch.no_grad()
-def acceptance_rates_at(draft: Eagle3Draft, head, batch: dict, length: int, temperature: float) -> tuple[
-        torch.Tensor, torch.Tensor]:
+def acceptance_rates_at(
+    draft: Eagle3Draft, head, batch: dict, length: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per TTT step j, the summed chance that a sampling verifier at `temperature` accepts
     the draft's own guess, and the count of scored positions -> ([L], [L]).
 
@@ -220,8 +253,15 @@ def acceptance_rates_at(draft: Eagle3Draft, head, batch: dict, length: int, temp
     guess y is accepted with the target's probability of y at the serving temperature
     (eagle3.spec_decode.SpeculativeDecoder); here y is step j's argmax at row t, scored
     against the target at t+1+j, over the rows `step_weights` scores (the answers)."""
-    hiddens = unroll(draft, batch["input_ids"], batch["aux"], batch["attention_mask"], length,
-                     position_ids=batch.get("position_ids"), segment_ids=batch.get("segment_ids"))
+    hiddens = unroll(
+        draft,
+        batch["input_ids"],
+        batch["aux"],
+        batch["attention_mask"],
+        length,
+        position_ids=batch.get("position_ids"),
+        segment_ids=batch.get("segment_ids"),
+    )
     weights = step_weights(batch["loss_mask"], batch["attention_mask"], length, segment_ids=batch.get("segment_ids"))
     sums, counts = [], []
     for j, hidden in enumerate(hiddens):
@@ -230,4 +270,3 @@ def acceptance_rates_at(draft: Eagle3Draft, head, batch: dict, length: int, temp
         w = weights[..., j]
         sums.append((p * w).sum()), counts.append(w.sum())
     return torch.stack(sums), torch.stack(counts)
-

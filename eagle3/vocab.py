@@ -5,6 +5,7 @@ convention); `t2d` is a boolean mask over the target vocabulary. Draft id `i` is
 `i`-th selected target id in ascending order, so `t2d.nonzero()` lists the same ids as
 `arange(n) + d2t`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -11,4 +11,5 @@
 Readers see only committed shards (parquet + log). Uncompressed arrays are read and
 written with plain file I/O in Zarr's own layout (storage.zarr_direct); zarr reads them.
 """
+
 from storage.store import HiddenStateStore, ShardData, StoreError  # noqa: F401

@@ -12,6 +12,7 @@ Compressed arrays (or layouts zarr_direct does not handle) go through zarr.
     for s in reader.iter_samples(names[rank::world], seed=epoch):   # one worker's part
         ...                                         # s: id, input_ids, loss_mask, aux, final
 """
+
 from __future__ import annotations
 
 import json
@@ -65,8 +66,9 @@ class StoreReader:
     (`iter_shards`, `iter_samples`) passes over it and records it in `skipped`
     ({shard: problem}); nothing is logged here. `sample()` always raises."""
 
-    def __init__(self, url: str, storage_options: dict | None = None, expect: dict | None = None,
-                 on_corrupt: str = "error"):
+    def __init__(
+        self, url: str, storage_options: dict | None = None, expect: dict | None = None, on_corrupt: str = "error"
+    ):
         if on_corrupt not in ("error", "skip"):
             raise ValueError(f"on_corrupt={on_corrupt!r}: use 'error' or 'skip'")
         self.store = HiddenStateStore.open(url, storage_options, expect=expect)
@@ -163,10 +165,13 @@ class StoreReader:
             raise
         except Exception as exc:  # missing or truncated file, codec error, bad offsets
             raise self._error(name, f"sample {sample_id!r} unreadable: {type(exc).__name__}: {exc}") from None
-        return {"id": sample_id,
-                "input_ids": torch.from_numpy(got["input_ids"].astype(np.int64)),
-                "loss_mask": torch.from_numpy(got["loss_mask"].astype(np.int64)),
-                "aux": from_bf16_bits(got["aux"]), "final": from_bf16_bits(got["final"])}
+        return {
+            "id": sample_id,
+            "input_ids": torch.from_numpy(got["input_ids"].astype(np.int64)),
+            "loss_mask": torch.from_numpy(got["loss_mask"].astype(np.int64)),
+            "aux": from_bf16_bits(got["aux"]),
+            "final": from_bf16_bits(got["final"]),
+        }
 
     # ------------------------------------------------------------------ streaming by shard
     def shard_names(self, split: str | None = None) -> list[str]:
@@ -200,8 +205,13 @@ class StoreReader:
         except Exception as exc:  # missing/truncated file, bad index, codec error
             raise self._error(name, f"unreadable: {exc}") from None
         t, n, h = int(row["n_tokens"]), len(ids), prov["hidden_size"]
-        expected = {"input_ids": (t,), "loss_mask": (t,), "offsets": (n + 1,),
-                    "aux": (t, len(prov["capture_layer_ids"]) * h), "final": (t, h)}
+        expected = {
+            "input_ids": (t,),
+            "loss_mask": (t,),
+            "offsets": (n + 1,),
+            "aux": (t, len(prov["capture_layer_ids"]) * h),
+            "final": (t, h),
+        }
         for key, shape in expected.items():
             if out[key].shape != shape:
                 raise self._error(name, f"{key} shape {out[key].shape} != {shape} (manifest: {n} samples, {t} tokens)")
@@ -258,6 +268,11 @@ class StoreReader:
             aux, final = from_bf16_bits(shard["aux"]), from_bf16_bits(shard["final"])
             for k in sample_order(len(ids), shard["shard"], seed):
                 a, b = int(off[k]), int(off[k + 1])
-                yield {"id": ids[k], "input_ids": input_ids[a:b], "loss_mask": loss_mask[a:b],
-                       "aux": aux[a:b], "final": final[a:b]}
+                yield {
+                    "id": ids[k],
+                    "input_ids": input_ids[a:b],
+                    "loss_mask": loss_mask[a:b],
+                    "aux": aux[a:b],
+                    "final": final[a:b],
+                }
             del shard, input_ids, loss_mask, aux, final  # before the stream reads ahead again

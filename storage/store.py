@@ -15,6 +15,7 @@ The manifest is `manifest.parquet` + `commits/*.json`, sorted by shard name, the
 before and after compaction. Readers list only its shards, so a shard that is not
 committed does not exist.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -29,8 +30,15 @@ from typing import Any, Sequence
 import numpy as np
 
 from storage import zarr_direct
-from storage.zarr_io import (DEFAULT_CHUNK_BYTES, chunk_rows, filesystem, join, parquet_bytes, write_bytes_atomic,
-                             zarr_store)
+from storage.zarr_io import (
+    DEFAULT_CHUNK_BYTES,
+    chunk_rows,
+    filesystem,
+    join,
+    parquet_bytes,
+    write_bytes_atomic,
+    zarr_store,
+)
 
 FORMAT = "eagle3-hidden-states"
 # 2: provenance names the target's weights by `target_weights_sha256` (was `target_revision`).
@@ -38,9 +46,17 @@ FORMAT_VERSION = 2
 MANIFEST = "manifest.parquet"
 COMMITS = "commits"  # the commit log: one <shard>.json per commit since the last compaction
 # A manifest row's fields, in the parquet's column order (`split` is optional: None when unknown).
-MANIFEST_SCHEMA = (("shard", "string"), ("n_samples", "int64"), ("n_tokens", "int64"), ("nbytes", "int64"),
-                   ("sample_ids_sha256", "string"), ("writer", "string"), ("write_seconds", "float64"),
-                   ("committed_at", "string"), ("split", "string"))
+MANIFEST_SCHEMA = (
+    ("shard", "string"),
+    ("n_samples", "int64"),
+    ("n_tokens", "int64"),
+    ("nbytes", "int64"),
+    ("sample_ids_sha256", "string"),
+    ("writer", "string"),
+    ("write_seconds", "float64"),
+    ("committed_at", "string"),
+    ("split", "string"),
+)
 COLUMNS = tuple(name for name, _ in MANIFEST_SCHEMA)
 
 
@@ -142,8 +158,9 @@ class HiddenStateStore:
         return self.fs.exists(f"{self.path}/zarr.json")
 
     @classmethod
-    def create_or_open(cls, url: str, provenance: dict, storage_options: dict | None = None,
-                       checked: Sequence[str] | None = None) -> "HiddenStateStore":
+    def create_or_open(
+        cls, url: str, provenance: dict, storage_options: dict | None = None, checked: Sequence[str] | None = None
+    ) -> "HiddenStateStore":
         """Create the store with `provenance`, or open it when its `checked` fields (all of
         them by default) agree with `provenance`."""
         store = cls(url, storage_options)
@@ -153,9 +170,11 @@ class HiddenStateStore:
             return store
         import zarr
 
-        root = zarr.open_group(zarr_store(store.url, store.storage_options), mode="w-",
-                               attributes={"format": FORMAT,
-                                           "provenance": {**provenance, "format_version": FORMAT_VERSION}})
+        root = zarr.open_group(
+            zarr_store(store.url, store.storage_options),
+            mode="w-",
+            attributes={"format": FORMAT, "provenance": {**provenance, "format_version": FORMAT_VERSION}},
+        )
         root.create_group("shards")
         return store
 
@@ -210,8 +229,14 @@ class HiddenStateStore:
         if self.fs.exists(path):
             self.fs.rm(path, recursive=True)
 
-    def write_shard(self, name: str, data: ShardData, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                    compression: str = "none", split: str | None = None) -> dict:
+    def write_shard(
+        self,
+        name: str,
+        data: ShardData,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        compression: str = "none",
+        split: str | None = None,
+    ) -> dict:
         """Write a whole shard group, then its `complete` marker. Returns its manifest row
         (with `split` when given).
 
@@ -224,8 +249,9 @@ class HiddenStateStore:
         compressors = _compressors(compression)
         group_path, group = f"{self.path}/shards/{name}", None
         self.remove_shard(name)  # leftovers of an earlier attempt
-        zarr_direct.put(self.fs, f"{group_path}/zarr.json",
-                        [json.dumps(zarr_direct.group_metadata({"complete": False})).encode()])
+        zarr_direct.put(
+            self.fs, f"{group_path}/zarr.json", [json.dumps(zarr_direct.group_metadata({"complete": False})).encode()]
+        )
         t = len(data.input_ids)
         for key in ("input_ids", "loss_mask", "offsets", "aux", "final"):
             arr = getattr(data, key)
@@ -241,23 +267,43 @@ class HiddenStateStore:
 
             if group is None:
                 group = zarr.open_group(zarr_store(self.shard_url(name), self.storage_options), mode="r+")
-            chunks, shards = ((rows, arr.shape[1]), (math.ceil(t / rows) * rows, arr.shape[1])) if rows else \
-                ((len(arr),), None)
-            z = group.create_array(key, shape=arr.shape, dtype=arr.dtype, chunks=chunks, shards=shards,
-                                   compressors=compressors, fill_value=0)
+            chunks, shards = (
+                ((rows, arr.shape[1]), (math.ceil(t / rows) * rows, arr.shape[1])) if rows else ((len(arr),), None)
+            )
+            z = group.create_array(
+                key,
+                shape=arr.shape,
+                dtype=arr.dtype,
+                chunks=chunks,
+                shards=shards,
+                compressors=compressors,
+                fill_value=0,
+            )
             z[...] = arr
-        row = {"shard": name, "n_samples": len(data.sample_ids), "n_tokens": t, "nbytes": data.nbytes,
-               "sample_ids_sha256": sample_ids_hash(data.sample_ids),
-               "writer": f"{socket.gethostname()}:{os.getpid()}",
-               "write_seconds": time.perf_counter() - started}
+        row = {
+            "shard": name,
+            "n_samples": len(data.sample_ids),
+            "n_tokens": t,
+            "nbytes": data.nbytes,
+            "sample_ids_sha256": sample_ids_hash(data.sample_ids),
+            "writer": f"{socket.gethostname()}:{os.getpid()}",
+            "write_seconds": time.perf_counter() - started,
+        }
         if split is not None:
             row["split"] = split
-        attrs = {"sample_ids": list(data.sample_ids), "n_samples": row["n_samples"], "n_tokens": t,
-                 "final_is_normed": prov["final_is_normed"], "sample_ids_sha256": row["sample_ids_sha256"],
-                 "manifest_row": row, "complete": True}
+        attrs = {
+            "sample_ids": list(data.sample_ids),
+            "n_samples": row["n_samples"],
+            "n_tokens": t,
+            "final_is_normed": prov["final_is_normed"],
+            "sample_ids_sha256": row["sample_ids_sha256"],
+            "manifest_row": row,
+            "complete": True,
+        }
         # The marker, last: the group's metadata replaced whole (a reader never sees half of it).
-        write_bytes_atomic(self.fs, f"{group_path}/zarr.json", json.dumps(zarr_direct.group_metadata(attrs)).encode(),
-                           fsync=False)
+        write_bytes_atomic(
+            self.fs, f"{group_path}/zarr.json", json.dumps(zarr_direct.group_metadata(attrs)).encode(), fsync=False
+        )
         return row
 
     # ------------------------------------------------------------------ manifest (driver side)
@@ -332,8 +378,9 @@ class HiddenStateStore:
         self.fs.makedirs(f"{self.path}/{COMMITS}", exist_ok=True)
         for row in rows:
             record = {c: row.get(c) for c in COLUMNS if c != "committed_at"} | {"committed_at": now}
-            write_bytes_atomic(self.fs, f"{self.path}/{COMMITS}/{row['shard']}.json",
-                               json.dumps(record, default=_plain).encode())
+            write_bytes_atomic(
+                self.fs, f"{self.path}/{COMMITS}/{row['shard']}.json", json.dumps(record, default=_plain).encode()
+            )
 
     def compact(self) -> int:
         """Fold the commit log into manifest.parquet (atomic rewrite), then delete the folded
@@ -356,5 +403,9 @@ class HiddenStateStore:
 
     def summary(self) -> dict[str, Any]:
         rows = self.manifest()
-        return {"shards": len(rows), "samples": sum(r["n_samples"] for r in rows),
-                "tokens": sum(r["n_tokens"] for r in rows), "bytes": sum(r["nbytes"] for r in rows)}
+        return {
+            "shards": len(rows),
+            "samples": sum(r["n_samples"] for r in rows),
+            "tokens": sum(r["n_tokens"] for r in rows),
+            "bytes": sum(r["nbytes"] for r in rows),
+        }

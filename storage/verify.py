@@ -1,7 +1,8 @@
 """`verify`: check every committed shard and report problems by shard and sample.
 
-    python -m storage.verify <store url>        exit status 1 when a problem is found
+python -m storage.verify <store url>        exit status 1 when a problem is found
 """
+
 from __future__ import annotations
 
 import json
@@ -54,7 +55,10 @@ def verify(url: str, storage_options: dict | None = None) -> dict:
                 bad(name, f"{key} shape {arrays[key].shape} != {shape}")
         if any(p["shard"] == name for p in problems):
             continue
-        sample_of = lambda rows: sorted({ids[int(i)] for i in np.searchsorted(off, rows, side="right") - 1})
+
+        def sample_of(rows, ids=ids, off=off):
+            return sorted({ids[int(i)] for i in np.searchsorted(off, rows, side="right") - 1})
+
         for key in ("aux", "final"):
             for sid in sample_of(nonfinite_rows(arrays[key])):
                 bad(name, f"NaN/Inf in {key}", sid)
@@ -70,8 +74,13 @@ def verify(url: str, storage_options: dict | None = None) -> dict:
             seen[sid] = name
         tokens += t
         samples += len(ids)
-    return {"ok": not problems, "shards": len(store.manifest()), "samples": samples, "tokens": tokens,
-            "problems": problems}
+    return {
+        "ok": not problems,
+        "shards": len(store.manifest()),
+        "samples": samples,
+        "tokens": tokens,
+        "problems": problems,
+    }
 
 
 def main(argv=None) -> int:

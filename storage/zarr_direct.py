@@ -21,6 +21,7 @@ array of full-width rows in one shard (`c/0/0`) of row-chunks. Anything else (a 
 another grid) gives `None` from `layout_of` and the caller uses zarr. Problems in the
 bytes (missing file, short file, bad index checksum, chunk sizes) raise `CorruptArray`.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,10 +71,14 @@ def _bytes_codec_ok(codec: dict, dtype: np.dtype) -> bool:
 def layout_of(array_path: str, meta: dict) -> Layout | None:
     """The layout of an array from its zarr.json, or None when it is not one handled here."""
     try:
-        if (meta.get("zarr_format") != 3 or meta.get("node_type") != "array" or meta.get("storage_transformers")
-                or meta.get("data_type") not in _DTYPES
-                or meta["chunk_key_encoding"] != {"name": "default", "configuration": {"separator": "/"}}
-                or meta["chunk_grid"].get("name") != "regular"):
+        if (
+            meta.get("zarr_format") != 3
+            or meta.get("node_type") != "array"
+            or meta.get("storage_transformers")
+            or meta.get("data_type") not in _DTYPES
+            or meta["chunk_key_encoding"] != {"name": "default", "configuration": {"separator": "/"}}
+            or meta["chunk_grid"].get("name") != "regular"
+        ):
             return None
         dtype = np.dtype(meta["data_type"]).newbyteorder("<")
         shape = tuple(int(n) for n in meta["shape"])
@@ -88,10 +93,18 @@ def layout_of(array_path: str, meta: dict) -> Layout | None:
             conf = codecs[0]["configuration"]
             inner = tuple(int(n) for n in conf["chunk_shape"])
             index_codecs = conf["index_codecs"]
-            if (outer[1] == shape[1] and outer[0] >= shape[0] and inner[1] == shape[1] and outer[0] % inner[0] == 0
-                    and len(conf["codecs"]) == 1 and _bytes_codec_ok(conf["codecs"][0], dtype)
-                    and conf.get("index_location", "end") == "end" and len(index_codecs) == 2
-                    and _bytes_codec_ok(index_codecs[0], np.dtype("u8")) and index_codecs[1].get("name") == "crc32c"):
+            if (
+                outer[1] == shape[1]
+                and outer[0] >= shape[0]
+                and inner[1] == shape[1]
+                and outer[0] % inner[0] == 0
+                and len(conf["codecs"]) == 1
+                and _bytes_codec_ok(conf["codecs"][0], dtype)
+                and conf.get("index_location", "end") == "end"
+                and len(index_codecs) == 2
+                and _bytes_codec_ok(index_codecs[0], np.dtype("u8"))
+                and index_codecs[1].get("name") == "crc32c"
+            ):
                 return Layout(f"{array_path}/c/0/0", shape, dtype, fill, inner[0], outer[0] // inner[0], row_bytes)
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
@@ -152,9 +165,11 @@ def _parse_index(lay: Layout, tail: np.ndarray, file_size: int) -> np.ndarray:
     chunk_bytes = lay.chunk_rows * lay.row_bytes
     last = file_size - lay.index_bytes - chunk_bytes  # the last offset a whole chunk fits at
     if len(present) and (last < 0 or np.any(present[:, 1] != chunk_bytes) or np.any(present[:, 0] > last)):
-        raise CorruptArray(f"data file {lay.file}: shard index points outside the file or at chunks of the "
-                           f"wrong size (expected {chunk_bytes} bytes each, data part "
-                           f"{file_size - lay.index_bytes} bytes)")
+        raise CorruptArray(
+            f"data file {lay.file}: shard index points outside the file or at chunks of the "
+            f"wrong size (expected {chunk_bytes} bytes each, data part "
+            f"{file_size - lay.index_bytes} bytes)"
+        )
     return np.where(absent[:, None], -1, raw.astype(np.int64))  # offsets now fit int64; -1: absent
 
 
@@ -166,7 +181,7 @@ def read_whole(fs, lay: Layout) -> np.ndarray:
         if len(buf) != n_elems * lay.dtype.itemsize:
             raise CorruptArray(f"data file {lay.file} has {len(buf)} bytes, expected {n_elems * lay.dtype.itemsize}")
         return buf.view(lay.dtype).reshape(lay.shape)
-    index = _parse_index(lay, buf[len(buf) - lay.index_bytes:] if len(buf) >= lay.index_bytes else buf, len(buf))
+    index = _parse_index(lay, buf[len(buf) - lay.index_bytes :] if len(buf) >= lay.index_bytes else buf, len(buf))
     chunk_bytes = lay.chunk_rows * lay.row_bytes
     if np.array_equal(index[:, 0], np.arange(lay.n_chunks) * chunk_bytes):  # what the store writes
         return buf[: n_elems * lay.dtype.itemsize].view(lay.dtype).reshape(lay.shape)
@@ -178,7 +193,7 @@ def read_whole(fs, lay: Layout) -> np.ndarray:
         if offset < 0:
             out[a:b] = lay.fill_value
         else:
-            out[a:b] = buf[offset: offset + (b - a) * lay.row_bytes].view(lay.dtype).reshape(b - a, *lay.shape[1:])
+            out[a:b] = buf[offset : offset + (b - a) * lay.row_bytes].view(lay.dtype).reshape(b - a, *lay.shape[1:])
     return out
 
 
@@ -225,7 +240,7 @@ class RowReader:
             else:
                 pieces.append([s, e, lo, hi])
         for s, e, lo, hi in pieces:
-            _read_into(self.fs, lay.file, s, flat[lo * lay.row_bytes: hi * lay.row_bytes])
+            _read_into(self.fs, lay.file, s, flat[lo * lay.row_bytes : hi * lay.row_bytes])
         return out
 
 
@@ -240,15 +255,29 @@ def array_metadata(shape: tuple[int, ...], dtype, chunk_rows: int | None) -> dic
         grid, codecs = list(shape), [bytes_codec]
     else:
         grid = [-(-shape[0] // chunk_rows) * chunk_rows, shape[1]]
-        codecs = [{"name": "sharding_indexed", "configuration": {
-            "chunk_shape": [chunk_rows, shape[1]], "codecs": [bytes_codec],
-            "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
-            "index_location": "end"}}]
-    return {"shape": list(shape), "data_type": dtype.name,
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": grid}},
-            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-            "fill_value": 0, "codecs": codecs, "attributes": {}, "zarr_format": 3, "node_type": "array",
-            "storage_transformers": []}
+        codecs = [
+            {
+                "name": "sharding_indexed",
+                "configuration": {
+                    "chunk_shape": [chunk_rows, shape[1]],
+                    "codecs": [bytes_codec],
+                    "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+                    "index_location": "end",
+                },
+            }
+        ]
+    return {
+        "shape": list(shape),
+        "data_type": dtype.name,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": grid}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": 0,
+        "codecs": codecs,
+        "attributes": {},
+        "zarr_format": 3,
+        "node_type": "array",
+        "storage_transformers": [],
+    }
 
 
 def group_metadata(attributes: dict) -> dict:

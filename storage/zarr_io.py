@@ -1,4 +1,5 @@
 """Low-level helpers: URL -> filesystem / Zarr store, bf16 <-> uint16 bits, chunk sizing."""
+
 from __future__ import annotations
 
 import io
@@ -33,7 +34,7 @@ def zarr_store(url: str, storage_options: dict | None = None, read_only: bool = 
 
     if is_remote(url):
         return FsspecStore.from_url(url, storage_options=dict(storage_options or {}), read_only=read_only)
-    path = url[len("file://"):] if url.startswith("file://") else url
+    path = url[len("file://") :] if url.startswith("file://") else url
     return LocalStore(os.path.abspath(path), read_only=read_only)
 
 

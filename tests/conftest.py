@@ -13,8 +13,9 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory):
     """The `tiny` preset, prepared once per test session (a ~15 s build)."""
-    import yaml
     from pathlib import Path
+
+    import yaml
 
     from eagle3.schema import from_dict
     from eagle3.target_spec import TargetSpec
@@ -24,7 +25,11 @@ def tiny_target(tmp_path_factory):
     spec = from_dict(TargetSpec, yaml.safe_load(conf.read_text()), "target")
     # <cache>/targets/tiny, the layout workflows.full uses for cache_dir=<cache>.
     # EAGLE3_TEST_CACHE reuses a prepared tiny target across sessions (local iteration only).
-    cache = Path(os.environ["EAGLE3_TEST_CACHE"]) if os.environ.get("EAGLE3_TEST_CACHE") else tmp_path_factory.mktemp("cache")
+    cache = (
+        Path(os.environ["EAGLE3_TEST_CACHE"])
+        if os.environ.get("EAGLE3_TEST_CACHE")
+        else tmp_path_factory.mktemp("cache")
+    )
     return prepare_target(spec, cache / "targets", log=lambda _m: None)
 
 

@@ -6,6 +6,7 @@ and Ray pickles that class into each actor process; `capture_faults` swaps it, f
 for a subclass built inside a function. cloudpickle ships such a class by value, its fault
 settings included, so the product needs no hook, setting or environment variable for them.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,12 @@ import pytest
 from workflows.capture import stage
 
 
-def faulty_capture_actor(fail_after_shards: int | None = None, fail_shards: tuple[str, ...] = (),
-                         die_in_shards: tuple[str, ...] = (), marker_dir: Path | None = None) -> type:
+def faulty_capture_actor(
+    fail_after_shards: int | None = None,
+    fail_shards: tuple[str, ...] = (),
+    die_in_shards: tuple[str, ...] = (),
+    marker_dir: Path | None = None,
+) -> type:
     """A CaptureActor whose shards fail as the tests ask.
 
     fail_after_shards=N: every shard after an actor's first N fails, each attempt.

@@ -1,4 +1,5 @@
 """Small builders shared by the maths tests (random drafts and a random HF target)."""
+
 from __future__ import annotations
 
 import torch
@@ -9,9 +10,17 @@ from eagle3.modeling import Eagle3Draft
 
 def tiny_draft_config(**over) -> DraftConfig:
     base = dict(
-        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        intermediate_size=64, vocab_size=97, draft_vocab_size=40, target_hidden_size=24,
-        target_num_layers=6, capture_layer_ids=[0, 2, 4], rope_theta=10000.0,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=97,
+        draft_vocab_size=40,
+        target_hidden_size=24,
+        target_num_layers=6,
+        capture_layer_ids=[0, 2, 4],
+        rope_theta=10000.0,
     )
     base.update(over)
     cfg = DraftConfig(**base)
@@ -37,9 +46,15 @@ def tiny_hf_llama(num_layers=6, hidden=24, vocab=97, seed=0, dtype=torch.float64
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        initializer_range=0.2, tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(cfg).to(dtype).eval()
     model.requires_grad_(False)
@@ -85,8 +100,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def memorising_draft(target_path, folder, steps: int = 300, prompts: int = 8, prompt_len: int = 8,
-                     new_tokens: int = 32) -> dict:
+def memorising_draft(
+    target_path, folder, steps: int = 300, prompts: int = 8, prompt_len: int = 8, new_tokens: int = 32
+) -> dict:
     """A draft that accepts far above 1 on known prompts, exported for SGLang and vLLM: the
     tiny target's greedy answers to `prompts` random prompts, their states captured, and a
     draft trained on them until it has learnt them (the served tests need acceptance well
@@ -119,32 +135,60 @@ def memorising_draft(target_path, folder, steps: int = 300, prompts: int = 8, pr
         out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
         seqs.append(out[0].tolist())
     masks = [[0] * prompt_len + [1] * new_tokens for _ in seqs]
-    batches = [capture_batch(model, seqs[i : i + 4], masks[i : i + 4], layers, dtype=torch.float32)
-               for i in range(0, len(seqs), 4)]
+    batches = [
+        capture_batch(model, seqs[i : i + 4], masks[i : i + 4], layers, dtype=torch.float32)
+        for i in range(0, len(seqs), 4)
+    ]
     c = model.config
-    cfg = DraftConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
-                      num_key_value_heads=c.num_key_value_heads, head_dim=c.hidden_size // c.num_attention_heads,
-                      intermediate_size=c.intermediate_size, vocab_size=c.vocab_size, draft_vocab_size=512,
-                      target_hidden_size=c.hidden_size, target_num_layers=c.num_hidden_layers,
-                      capture_layer_ids=layers, rope_theta=c.rope_parameters["rope_theta"])
+    cfg = DraftConfig(
+        hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.hidden_size // c.num_attention_heads,
+        intermediate_size=c.intermediate_size,
+        vocab_size=c.vocab_size,
+        draft_vocab_size=512,
+        target_hidden_size=c.hidden_size,
+        target_num_layers=c.num_hidden_layers,
+        capture_layer_ids=layers,
+        rope_theta=c.rope_parameters["rope_theta"],
+    )
     draft = Eagle3Draft(cfg)
     draft.load_target_embeddings(model.get_input_embeddings().weight.float())
     counts = sum(count_tokens(b["input_ids"], b["attention_mask"].long(), c.vocab_size) for b in batches)
     vocab = build_draft_vocab(counts, 512, warn=lambda m: None)
     draft.set_vocab_mapping(vocab.d2t, vocab.t2d)
-    loop = LoopConfig(steps=steps, ttt=TTTConfig(length=4, decay=0.8), optim=OptimConfig(lr=3e-3, warmup_steps=10),
-                      compute_dtype="float32", log_every=10 ** 6)
+    loop = LoopConfig(
+        steps=steps,
+        ttt=TTTConfig(length=4, decay=0.8),
+        optim=OptimConfig(lr=3e-3, warmup_steps=10),
+        compute_dtype="float32",
+        log_every=10**6,
+    )
     train_in_memory(draft, TargetHead(model.lm_head.weight.float()), batches, loop)
     draft = draft.float().eval()
-    prov = {"target": target_identity(Path(target_path), folder / "cache"), "capture_layer_ids": layers,
-            "layer_id_convention": "output_of_layer", "hidden_size": c.hidden_size}
+    prov = {
+        "target": target_identity(Path(target_path), folder / "cache"),
+        "capture_layer_ids": layers,
+        "layer_id_convention": "output_of_layer",
+        "hidden_size": c.hidden_size,
+    }
     save_draft(folder / "draft", draft, prov)
     sglang = export_sglang(folder / "draft", folder / "sglang", "float32")
     vllm = export_vllm(sglang, folder / "vllm", Path(target_path), layers)
     rows = [{"id": str(i), "input_ids": s, "loss_mask": m} for i, (s, m) in enumerate(zip(seqs, masks))]
     chain = decode_all(model, draft, rows, layers, num_steps=3, topk=1, num_draft_tokens=None, eos=[])
-    tree = decode_all(model, draft, rows, layers, num_steps=3, topk=2, num_draft_tokens=6, eos=[],
-                      sglang_compatible=True)
-    return {"draft": folder / "draft", "sglang": sglang, "vllm": vllm, "model": model,
-            "prompts": [s[:prompt_len] for s in seqs], "greedy": chain["greedy"],
-            "max_new_tokens": [new_tokens] * len(seqs), "chain": chain, "tree": tree}
+    tree = decode_all(
+        model, draft, rows, layers, num_steps=3, topk=2, num_draft_tokens=6, eos=[], sglang_compatible=True
+    )
+    return {
+        "draft": folder / "draft",
+        "sglang": sglang,
+        "vllm": vllm,
+        "model": model,
+        "prompts": [s[:prompt_len] for s in seqs],
+        "greedy": chain["greedy"],
+        "max_new_tokens": [new_tokens] * len(seqs),
+        "chain": chain,
+        "tree": tree,
+    }

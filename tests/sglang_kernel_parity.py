@@ -6,6 +6,7 @@ drafts the tree ops see are built by SGLang's own drafting helpers (select_top_k
 organize_draft_results) from random scores. Prints one JSON line: cases compared per op.
 The KV-slot copy (raw pointers, which the interpreter cannot follow) is checked against
 plain indexing of the same buffers."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -62,8 +63,20 @@ def tree_case(shim, g, bs, topk, steps, ndt, mode):
         mask = torch.full((mask_size,), True)
         positions = torch.empty(bs * ndt, dtype=torch.long)
         retrieve = torch.full((3, bs, ndt), -1, dtype=torch.long)
-        args = (parents, selected, seq_lens, mask, positions, retrieve[0], retrieve[1], retrieve[2], topk, steps, ndt,
-                int(mode))
+        args = (
+            parents,
+            selected,
+            seq_lens,
+            mask,
+            positions,
+            retrieve[0],
+            retrieve[1],
+            retrieve[2],
+            topk,
+            steps,
+            ndt,
+            int(mode),
+        )
         (shim.build_tree_kernel_efficient_cpu if impl == "shim" else spec_tree.sgl_build_tree_kernel_triton)(*args)
         outs.append((mask, positions, retrieve))
     for what, a, b in zip(("tree_mask", "positions", "retrieve"), *outs):
@@ -92,12 +105,20 @@ def verify_case(shim, g, bs, topk, steps, ndt):
         accept_index = torch.full((bs, steps + 1), -1, dtype=torch.long)
         accept_num = torch.zeros(bs, dtype=torch.long)
         if impl == "shim":
-            shim.verify_tree_greedy_cpu(predicts=predicts, accept_index=accept_index, accept_token_num=accept_num,
-                                        candidates=candidates, retrive_index=retrieve[0], retrive_next_token=retrieve[1],
-                                        retrive_next_sibling=retrieve[2], target_predict=target)
+            shim.verify_tree_greedy_cpu(
+                predicts=predicts,
+                accept_index=accept_index,
+                accept_token_num=accept_num,
+                candidates=candidates,
+                retrive_index=retrieve[0],
+                retrive_next_token=retrieve[1],
+                retrive_next_sibling=retrieve[2],
+                target_predict=target,
+            )
         else:
-            spec_tree.verify_tree_greedy_triton(predicts, accept_index, accept_num, candidates, retrieve[0], retrieve[1],
-                                                retrieve[2], target)
+            spec_tree.verify_tree_greedy_triton(
+                predicts, accept_index, accept_num, candidates, retrieve[0], retrieve[1], retrieve[2], target
+            )
         outs.append((predicts, accept_index, accept_num))
     for what, a, b in zip(("predicts", "accept_index", "accept_token_num"), *outs):
         equal(f"verify_tree_greedy {what} (bs={bs}, topk={topk}, steps={steps}, ndt={ndt})", a, b)
@@ -161,8 +182,11 @@ def kv_copy_case(shim, g):
     strides = torch.tensor([b.stride(0) * b.element_size() for b in buffers])
     shim.copy_all_layer_kv_cache_cpu(ptrs, strides, tgt, src)
     for a, b in zip(buffers, expected):
-        equal("copy_all_layer_kv_cache", a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
-              b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+        equal(
+            "copy_all_layer_kv_cache",
+            a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+            b.view(torch.int16) if b.dtype == torch.bfloat16 else b,
+        )
 
 
 def main(cases: int) -> None:

@@ -1,4 +1,5 @@
 """Simulated acceptance vs. a literal chain-speculation decoder, and a learning check."""
+
 import torch
 
 from eagle3.attention import KVCache
@@ -28,8 +29,15 @@ def greedy_texts(model, n, prompt_len, new_tokens, seed):
 
 def make_draft(model, batch, draft_vocab):
     cfg = DraftConfig(
-        hidden_size=24, num_attention_heads=4, num_key_value_heads=2, head_dim=6, intermediate_size=48,
-        vocab_size=97, draft_vocab_size=draft_vocab, target_hidden_size=24, target_num_layers=6,
+        hidden_size=24,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=6,
+        intermediate_size=48,
+        vocab_size=97,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=24,
+        target_num_layers=6,
         capture_layer_ids=LAYERS,
     )
     draft = Eagle3Draft(cfg)
@@ -73,8 +81,12 @@ def test_training_raises_acceptance_and_walk_matches_chain_decoding():
     head = TargetHead(target.lm_head.weight.float())
     draft = make_draft(target, batch, draft_vocab=64)
     cfg = LoopConfig(
-        steps=100, ttt=TTTConfig(length=4, decay=0.8, noise=NoiseConfig(kind="gaussian", std=0.01)),
-        optim=OptimConfig(lr=3e-3, warmup_steps=10), compute_dtype="float32", acceptance_k=3, log_every=150,
+        steps=100,
+        ttt=TTTConfig(length=4, decay=0.8, noise=NoiseConfig(kind="gaussian", std=0.01)),
+        optim=OptimConfig(lr=3e-3, warmup_steps=10),
+        compute_dtype="float32",
+        acceptance_k=3,
+        log_every=150,
     )
     before = evaluate(draft, head, [batch], cfg)
     history = train_in_memory(draft, head, [batch], cfg)
@@ -96,7 +108,8 @@ def test_training_raises_acceptance_and_walk_matches_chain_decoding():
 
         scores = forward_batch(draft, head64, batch64, cfg.ttt, train=False)
         for i, (text, mask) in enumerate(zip(seqs, masks)):
-            walk = acceptance(scores.correct[i : i + 1], batch64["loss_mask"][i : i + 1],
-                              batch64["attention_mask"][i : i + 1], k=3)
+            walk = acceptance(
+                scores.correct[i : i + 1], batch64["loss_mask"][i : i + 1], batch64["attention_mask"][i : i + 1], k=3
+            )
             span = (mask.index(1), len(mask))
             assert (walk.tokens, walk.passes) == chain_decode(draft, batch64["aux"][i], text, span, 3), i

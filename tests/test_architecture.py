@@ -11,6 +11,7 @@
 * Importing a module of `workflows` builds no entry point: Hydra's is built only when a
   stage, a tool or `workflows.full` runs as a script (`if __name__ == "__main__"`).
 """
+
 from __future__ import annotations
 
 import ast
@@ -43,7 +44,9 @@ def imports(path: Path, root: Path) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             # `from workflows import capture` imports the stage `workflows.capture`.
             names = [f"{base}.{a.name}" for a in node.names] if base in ("workflows", "workflows.core") else []
             found += [(node.lineno, base)] + [(node.lineno, n) for n in names]
@@ -99,23 +102,28 @@ def test_every_stage_is_a_module_or_package_of_workflows():
         assert (ROOT / "workflows" / f"{stage}.py").is_file() or (ROOT / "workflows" / stage / "__init__.py").is_file()
 
 
-ALLOWED = {"eagle3": "import json\nimport torch\nfrom transformers import DynamicCache\nfrom eagle3.vocab import x\n",
-           "storage": "import numpy\nfrom storage.store import x\n",
-           "workflows": "import torch\nfrom workflows.core.layout import RunLayout\nfrom eagle3 import modeling\n"}
+ALLOWED = {
+    "eagle3": "import json\nimport torch\nfrom transformers import DynamicCache\nfrom eagle3.vocab import x\n",
+    "storage": "import numpy\nfrom storage.store import x\n",
+    "workflows": "import torch\nfrom workflows.core.layout import RunLayout\nfrom eagle3 import modeling\n",
+}
 
 
-@pytest.mark.parametrize("file, source, complaint", [
-    ("workflows/evaluate.py", "from workflows.train.stage import make_batches\n", "a stage imports the shared"),
-    ("workflows/capture/stage.py", "from workflows import generate\n", "a stage imports the shared"),
-    ("workflows/vocab.py", "from .tools import doctor\n", "a stage imports the shared"),
-    ("workflows/export.py", "import workflows.full\n", "a stage imports the shared"),
-    ("workflows/core/layout.py", "import workflows.export\n", "core never imports a stage"),
-    ("workflows/core/wiring.py", "from workflows.tools.serve import x\n", "core never imports a tool"),
-    ("workflows/tools/doctor.py", "from workflows.capture.stage import run\n", "tools never imports a stage"),
-    ("eagle3/ttt.py", "import numpy\n", "eagle3/ may import only"),
-    ("eagle3/vocab.py", "from workflows.core import layout\n", "eagle3/ may import only"),
-    ("storage/store.py", "from eagle3.schema import ConfigError\n", "storage/ imports no other package"),
-])
+@pytest.mark.parametrize(
+    "file, source, complaint",
+    [
+        ("workflows/evaluate.py", "from workflows.train.stage import make_batches\n", "a stage imports the shared"),
+        ("workflows/capture/stage.py", "from workflows import generate\n", "a stage imports the shared"),
+        ("workflows/vocab.py", "from .tools import doctor\n", "a stage imports the shared"),
+        ("workflows/export.py", "import workflows.full\n", "a stage imports the shared"),
+        ("workflows/core/layout.py", "import workflows.export\n", "core never imports a stage"),
+        ("workflows/core/wiring.py", "from workflows.tools.serve import x\n", "core never imports a tool"),
+        ("workflows/tools/doctor.py", "from workflows.capture.stage import run\n", "tools never imports a stage"),
+        ("eagle3/ttt.py", "import numpy\n", "eagle3/ may import only"),
+        ("eagle3/vocab.py", "from workflows.core import layout\n", "eagle3/ may import only"),
+        ("storage/store.py", "from eagle3.schema import ConfigError\n", "storage/ imports no other package"),
+    ],
+)
 def test_the_check_catches_each_kind_of_violation(tmp_path, file, source, complaint):
     """The checker itself, on a one-file tree per rule (an empty report must mean something)."""
     target = tmp_path / file
@@ -154,8 +162,11 @@ print(json.dumps(found))
 
 
 def workflows_modules(root: Path) -> list[str]:
-    return [module_name(path, root) for path in sorted((root / "workflows").rglob("*.py"))
-            if "sglang_cpu_shim" not in path.parts]  # the CPU shim loads inside SGLang processes only
+    return [
+        module_name(path, root)
+        for path in sorted((root / "workflows").rglob("*.py"))
+        if "sglang_cpu_shim" not in path.parts
+    ]  # the CPU shim loads inside SGLang processes only
 
 
 def test_importing_a_module_builds_no_entry_point():
@@ -163,8 +174,9 @@ def test_importing_a_module_builds_no_entry_point():
     `__main__` module, ran the stage) for whoever imported it: tests, full, the bench."""
     names = workflows_modules(ROOT)
     assert "workflows.vocab" in names and "workflows.train.__main__" in names
-    proc = subprocess.run([sys.executable, "-c", IMPORT_PROBE, *names], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", IMPORT_PROBE, *names], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {}
 
@@ -172,8 +184,12 @@ def test_importing_a_module_builds_no_entry_point():
 def import_cycles(root: Path) -> list[list[str]]:
     """Cycles among the project's modules (eagle3, storage, workflows), imports inside
     functions included: a cycle hidden by a late import is still one."""
-    files = {module_name(p, root): p for top in ("eagle3", "storage", "workflows") for p in (root / top).rglob("*.py")
-             if "sglang_cpu_shim" not in p.parts}
+    files = {
+        module_name(p, root): p
+        for top in ("eagle3", "storage", "workflows")
+        for p in (root / top).rglob("*.py")
+        if "sglang_cpu_shim" not in p.parts
+    }
     graph = {}
     for name, path in files.items():
         targets = set()
@@ -190,7 +206,7 @@ def import_cycles(root: Path) -> list[list[str]]:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == "open":
-                cycles.append(stack[stack.index(nxt):] + [nxt])
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, stack)
         stack.pop()

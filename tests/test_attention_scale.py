@@ -6,6 +6,7 @@ padded and packed rows. On CPU flex runs eagerly, which evaluates `mask_mod` on 
 (query, key) pair and ignores the block table; the block table (what the compiled CUDA
 kernel trusts to skip work) is therefore checked on its own, element by element.
 """
+
 import contextlib
 import math
 import warnings
@@ -13,9 +14,10 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
-
 import torch.nn.attention.flex_attention as flex_module
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from eagle3.attention import DenseTTTAttention, FlexTTTAttention, make_ttt_attention
 from eagle3.target_head import TargetHead
 from eagle3.training import forward_batch
@@ -69,6 +71,7 @@ def segment_layouts(draw):
 def random_qkv(g, b, hq, hkv, t, d, steps):
     def r(h):
         return [torch.randn(b, h, t, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(steps)]
+
     return r(hq), r(hkv), r(hkv)
 
 
@@ -83,8 +86,13 @@ def run_state(state, qs, ks, vs, group: int):
 
 
 @settings(max_examples=20, deadline=None)
-@given(seg=segment_layouts(), steps=st.integers(1, 4), heads=st.sampled_from([(1, 1), (2, 1), (4, 2), (3, 3)]),
-       block=st.sampled_from([2, 4, 8, 128]), seed=st.integers(0, 10_000))
+@given(
+    seg=segment_layouts(),
+    steps=st.integers(1, 4),
+    heads=st.sampled_from([(1, 1), (2, 1), (4, 2), (3, 3)]),
+    block=st.sampled_from([2, 4, 8, 128]),
+    seed=st.integers(0, 10_000),
+)
 def test_flex_matches_dense_outputs_and_gradients(seg, steps, heads, block, seed):
     hq, hkv = heads
     b, t = seg.shape
@@ -204,8 +212,10 @@ def test_unroll_flex_equals_dense_through_the_draft():
         with cpu_flex_backward():
             outs = unroll(draft, ids, aux, mask, 4, position_ids=positions, segment_ids=seg, attention=backend)
             sum(o.pow(2).mean() for o in outs).backward()
-        results[backend] = ([o.detach() for o in outs],
-                            {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None})
+        results[backend] = (
+            [o.detach() for o in outs],
+            {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None},
+        )
     (dense_out, dense_grad), (flex_out, flex_grad) = results["dense"], results["flex"]
     for a, b in zip(flex_out, dense_out):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
@@ -288,9 +298,18 @@ def test_unroll_and_score_on_the_device(device, backend):
     aux = torch.randn(*seg.shape, cfg.num_aux * cfg.target_hidden_size, generator=g).to(device)
     final = torch.randn(*seg.shape, cfg.target_hidden_size, generator=g).to(device)
     head = TargetHead(torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=g)).to(device)
-    positions = torch.cat([torch.arange(n) for n in (40, 70, 20, 20)] + [torch.arange(100), torch.arange(50)]).view(2, 150)
-    batch = {"input_ids": ids, "aux": aux, "final": final, "loss_mask": torch.ones_like(ids),
-             "attention_mask": seg >= 0, "segment_ids": seg, "position_ids": positions.to(device)}
+    positions = torch.cat([torch.arange(n) for n in (40, 70, 20, 20)] + [torch.arange(100), torch.arange(50)]).view(
+        2, 150
+    )
+    batch = {
+        "input_ids": ids,
+        "aux": aux,
+        "final": final,
+        "loss_mask": torch.ones_like(ids),
+        "attention_mask": seg >= 0,
+        "segment_ids": seg,
+        "position_ids": positions.to(device),
+    }
 
     def run(name):
         ttt = TTTConfig(length=3, attention=name)

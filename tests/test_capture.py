@@ -1,4 +1,5 @@
 """The capture stage on the tiny target: Ray actor pool, bit-exact states, resume, refusals."""
+
 from __future__ import annotations
 
 import json
@@ -15,20 +16,34 @@ from storage.store import ProvenanceMismatch
 from storage.verify import verify
 from tests.faults import capture_faults
 from tests.helpers import corpus_rows
-from workflows.capture import stage as capture
 from workflows.capture import plan as capture_plan
 from workflows.capture import sizing as capture_sizing
+from workflows.capture import stage as capture
 from workflows.core.config import compose
 from workflows.core.errors import USER_ERRORS, InputError, StageFailure
 from workflows.generate import stage as generate
 
 
 def cfg_for(tiny_target, run_dir, *extra):
-    return compose([
-        "target=tiny", "mixture=bundled", f"cache_dir={tiny_target.parent.parent}", f"run_dir={run_dir}",
-        "data.limit=12", "data.max_new_tokens=16", "data.heldout_fraction=0.25",
-        "capture.shard_samples=3", "capture.shards_per_call=2", "capture.micro_batch_tokens=256",
-        "cluster.dashboard=false", "cluster.num_cpus=2", "data.dtype=float32", "capture.dtype=float32", *extra])
+    return compose(
+        [
+            "target=tiny",
+            "mixture=bundled",
+            f"cache_dir={tiny_target.parent.parent}",
+            f"run_dir={run_dir}",
+            "data.limit=12",
+            "data.max_new_tokens=16",
+            "data.heldout_fraction=0.25",
+            "capture.shard_samples=3",
+            "capture.shards_per_call=2",
+            "capture.micro_batch_tokens=256",
+            "cluster.dashboard=false",
+            "cluster.num_cpus=2",
+            "data.dtype=float32",
+            "capture.dtype=float32",
+            *extra,
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +60,9 @@ def ray_local():
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="warning")
+        ray.init(
+            address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="warning"
+        )
     yield ray
 
 
@@ -74,7 +91,9 @@ def test_capture_is_bit_exact_and_resumes_after_a_crash(tiny_target, corpus, tmp
     # A driver killed before committing: the manifest and commit log are lost, the 3 shards
     # stay complete; and one of them is half-written (its writer killed before the marker).
     import zarr
+
     from storage.zarr_io import zarr_store
+
     (run_dir / "store" / "manifest.parquet").unlink()
     shutil.rmtree(run_dir / "store" / "commits", ignore_errors=True)
     victim = written[-1]
@@ -109,8 +128,16 @@ def test_capture_is_bit_exact_and_resumes_after_a_crash(tiny_target, corpus, tmp
     # A rerun reuses the finished stage, also with settings that change how it runs, not
     # what it writes (eagle3.schema.NOT_OUTPUT): nothing is captured or verified again.
     done = (run_dir / "capture" / "DONE.json").stat().st_mtime_ns
-    for extra in ((), ("capture.engine_timeout_s=60", "capture.max_actor_restarts=0", "capture.micro_batch_tokens=512",
-                       "capture.shards_per_call=1", "capture.cpus_per_actor=0.5")):
+    for extra in (
+        (),
+        (
+            "capture.engine_timeout_s=60",
+            "capture.max_actor_restarts=0",
+            "capture.micro_batch_tokens=512",
+            "capture.shards_per_call=1",
+            "capture.cpus_per_actor=0.5",
+        ),
+    ):
         assert capture.run(cfg_for(tiny_target, run_dir, *extra), tiny_target) == run_dir / "capture"
     assert (run_dir / "capture" / "DONE.json").stat().st_mtime_ns == done
 
@@ -120,8 +147,10 @@ def test_failing_shards_are_reported_and_only_they_rerun(tiny_target, corpus, tm
     plans = capture_plan.plan_shards(corpus_rows(run_dir), 3)[0]
     bad = sorted([plans[1].name, plans[-1].name])  # a train shard and a held-out one
     assert bad[0].startswith("heldout-") and bad[1].startswith("train-")
-    reported = (r"2 shard\(s\) failed twice: heldout-\S+, train-\S+; first error: RuntimeError: test fault "
-                r"fail_shards: simulated failure of shard.*rerun, which captures only these")
+    reported = (
+        r"2 shard\(s\) failed twice: heldout-\S+, train-\S+; first error: RuntimeError: test fault "
+        r"fail_shards: simulated failure of shard.*rerun, which captures only these"
+    )
     with capture_faults(fail_shards=bad), pytest.raises(StageFailure, match=reported):
         capture.run(cfg_for(tiny_target, run_dir), tiny_target)
     assert issubclass(StageFailure, USER_ERRORS)  # the entry points' one `error:` line, exit status 2
@@ -234,8 +263,12 @@ def test_train_reads_the_same_batches_from_the_store(tiny_target, corpus, tmp_pa
         for key in ("input_ids", "loss_mask", "attention_mask", "position_ids", "segment_ids"):
             assert torch.equal(got[key], want[key]), key
         m = want["attention_mask"]
-        torch.testing.assert_close(got["aux"][m].float(), want["aux"][m].to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2)
-        torch.testing.assert_close(got["final"][m].float(), want["final"][m].to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(
+            got["aux"][m].float(), want["aux"][m].to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2
+        )
+        torch.testing.assert_close(
+            got["final"][m].float(), want["final"][m].to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2
+        )
     # train.eval_max_samples: the first samples in store order, however many shards there are.
     bounded = list(eval_batches(reader, names, batch_size=4, max_seq_len=4096, pad_id=0, max_samples=5))
     assert len(order) > 5 and [b["input_ids"].shape[0] for b in bounded] == [4, 1]
@@ -255,8 +288,13 @@ def test_bad_inputs_are_refused_or_counted(tiny_target, tmp_path):
     with pytest.raises(ConfigError, match=r"target.capture_layer_ids\[2\]=7 is out of range"):
         cfg_for(tiny_target, tmp_path, "target.capture_layer_ids=[0,2,7]")
     plans, skipped, _ = capture_plan.plan_shards(
-        [{"id": "a", "input_ids": [1, 2], "loss_mask": [0, 1]}, {"id": "e", "input_ids": [], "loss_mask": []},
-         {"id": "b", "input_ids": [3], "loss_mask": [1]}], shard_samples=4)
+        [
+            {"id": "a", "input_ids": [1, 2], "loss_mask": [0, 1]},
+            {"id": "e", "input_ids": [], "loss_mask": []},
+            {"id": "b", "input_ids": [3], "loss_mask": [1]},
+        ],
+        shard_samples=4,
+    )
     assert skipped == {"empty_sample": 1} and plans[0].sample_ids == ["a", "b"] and plans[0].n_tokens == 3
     with pytest.raises(InputError, match="row 0 \\(id 'x'\\): field input_ids has 2 tokens but loss_mask 1"):
         capture_plan.plan_shards([{"id": "x", "input_ids": [1, 2], "loss_mask": [1]}], shard_samples=4)
@@ -273,9 +311,14 @@ def test_estimate_and_space_refusal(tiny_target, tmp_path, capsys):
     assert capture_sizing.check_space(str(tmp_path / "store"), est["projected_bytes"], ignore=True)["free_bytes"] > 0
 
 
-@pytest.mark.parametrize("needed, free, said", [(300_000, 120_000, "needs ~300 KB but .* has 120 KB free"),
-                                                 (4_200_000, 999, "needs ~4.2 MB but .* has 999 B free"),
-                                                 (7_340_000_000, 1_500_000_000, "needs ~7.34 GB but .* has 1.5 GB")])
+@pytest.mark.parametrize(
+    "needed, free, said",
+    [
+        (300_000, 120_000, "needs ~300 KB but .* has 120 KB free"),
+        (4_200_000, 999, "needs ~4.2 MB but .* has 999 B free"),
+        (7_340_000_000, 1_500_000_000, "needs ~7.34 GB but .* has 1.5 GB"),
+    ],
+)
 def test_the_space_refusal_speaks_in_the_unit_that_shows_the_sizes(tmp_path, monkeypatch, needed, free, said):
     usage = type("usage", (), {"free": free, "total": 10 * free, "used": 9 * free})
     monkeypatch.setattr(capture_sizing.shutil, "disk_usage", lambda _path: usage)
@@ -284,13 +327,24 @@ def test_the_space_refusal_speaks_in_the_unit_that_shows_the_sizes(tmp_path, mon
 
 
 def test_estimate_projects_wall_time_shards_manifest_and_driver_memory(tiny_target, tmp_path, capsys):
-    kimi = compose(["target=kimi_k25_int4", "capture.estimate_capture_tokens_per_s=5000", "capture.actors=8",
-                    "capture.estimate_generate_tokens_per_s=2000", "data.num_engines=8", "capture.shard_samples=64",
-                    "data.shard_size=32"])
+    kimi = compose(
+        [
+            "target=kimi_k25_int4",
+            "capture.estimate_capture_tokens_per_s=5000",
+            "capture.actors=8",
+            "capture.estimate_generate_tokens_per_s=2000",
+            "data.num_engines=8",
+            "capture.shard_samples=64",
+            "data.shard_size=32",
+        ]
+    )
     corpus = {"samples": 88_000, "tokens": 88_000_000, "answer_tokens": 44_000_000}
     p = capture_sizing.projection(kimi, 88_000_000, corpus, measured_tps=None)
     assert p["shards"] == 1375 + 1 and p["manifest_bytes"] == 1376 * capture_sizing.MANIFEST_ROW_BYTES
-    assert p["driver_bytes"] == 1376 * capture_sizing.DRIVER_BYTES_PER_SHARD + 32 * 1000 * capture_sizing.PY_BYTES_PER_TOKEN
+    assert (
+        p["driver_bytes"]
+        == 1376 * capture_sizing.DRIVER_BYTES_PER_SHARD + 32 * 1000 * capture_sizing.PY_BYTES_PER_TOKEN
+    )
     assert p["capture_hours"] == round(88e6 / (5000 * 8) / 3600, 2) == 0.61
     assert p["capture_tokens_per_s_from"] == "config"
     assert p["generate_answer_tokens"] == 44_000_000 and p["generate_hours"] == 0.76
@@ -300,21 +354,37 @@ def test_estimate_projects_wall_time_shards_manifest_and_driver_memory(tiny_targ
     assert measured["capture_hours"] == round(88e6 / 4000 / 3600, 2) and measured["generate_hours"] is None
     assert measured["capture_tokens_per_s_from"] == "capture/summary.json"
     # The command: no corpus here, so tokens come from capture.estimate_tokens.
-    cfg = compose(["target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={tmp_path}",
-                   "capture.estimate_only=true", "capture.estimate_tokens=1000000"])
+    cfg = compose(
+        [
+            "target=tiny",
+            f"cache_dir={tiny_target.parent.parent}",
+            f"run_dir={tmp_path}",
+            "capture.estimate_only=true",
+            "capture.estimate_tokens=1000000",
+        ]
+    )
     capture.capture_main(cfg)
     printed = json.loads(capsys.readouterr().out)
     assert printed["tokens"] == 1_000_000 and printed["projection"]["capture_hours"] is None
     assert printed["projection"]["tokens_per_sample_from"].startswith("data.max_length")
     with pytest.raises(ConfigError, match="set capture.estimate_tokens"):
-        capture.capture_main(compose(["target=tiny", f"cache_dir={tiny_target.parent.parent}",
-                                      f"run_dir={tmp_path}", "capture.estimate_only=true"]))
+        capture.capture_main(
+            compose(
+                [
+                    "target=tiny",
+                    f"cache_dir={tiny_target.parent.parent}",
+                    f"run_dir={tmp_path}",
+                    "capture.estimate_only=true",
+                ]
+            )
+        )
 
 
 @pytest.mark.slow
 @pytest.mark.sglang
-def test_the_capture_stage_on_sglang_uses_one_engine_per_actor_and_one_forward(tiny_target, corpus, tmp_path,
-                                                                               ray_local):
+def test_the_capture_stage_on_sglang_uses_one_engine_per_actor_and_one_forward(
+    tiny_target, corpus, tmp_path, ray_local
+):
     """capture.backend=sglang through the Ray stage: one engine for the actor's calls, every
     state from one forward (ids 1 and 3 and the final state from SGLang's runner, 5 = the last
     layer's output from the tail), stored states equal to HF's."""

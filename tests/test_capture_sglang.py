@@ -1,6 +1,7 @@
 """The SGLang capture engine alone (no Ray stage): its states against HF's by either
 final-state method, the worker's timeout, the runner's micro-batches, and what it refuses.
 The capture stage on SGLang, through Ray, is in test_capture.py."""
+
 from __future__ import annotations
 
 import json
@@ -57,8 +58,11 @@ def test_a_silent_sglang_capture_worker_is_reported_after_its_timeout(tiny_targe
     from workflows.core.engines import make_engine
 
     engine = make_engine("sglang", EngineSpec(str(tiny_target), layer_ids=[1, 3, 4], timeout_s=0.5))
-    with pytest.raises(RuntimeError, match=r"SGLang capture worker failed during start \(did not answer "
-                                           r"within 0.5 s; rc None\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"SGLang capture worker failed during start \(did not answer "
+        r"within 0.5 s; rc None\)",
+    ):
         engine.states([[1, 2, 3]])
     assert engine._proc is None  # killed: a worker past its timeout gets no grace period
 
@@ -96,8 +100,11 @@ def test_sglang_refuses_the_last_layers_output_where_the_tail_cannot_run(tiny_ta
     config = json.loads((quantized / "config.json").read_text())
     (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "x"}}))
     engine = make_engine("sglang", EngineSpec(str(quantized), layer_ids=[1, 3, 5]))
-    with pytest.raises(ConfigError, match=r"capture id 5 \(the last layer's output, which SGLang never returns\) "
-                                          "needs the last layer's tail: .*a quantized checkpoint"):
+    with pytest.raises(
+        ConfigError,
+        match=r"capture id 5 \(the last layer's output, which SGLang never returns\) "
+        "needs the last layer's tail: .*a quantized checkpoint",
+    ):
         engine.states([[1, 2, 3]])
     assert engine.engine_starts == 0
     with pytest.raises(ConfigError, match="capture.final_state=tail: .*a quantized checkpoint"):

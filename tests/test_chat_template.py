@@ -1,4 +1,5 @@
 """Chat templates and assistant loss masks: exact round trips, refusals, length policy."""
+
 from __future__ import annotations
 
 import os
@@ -7,8 +8,15 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from eagle3.chat_template import (PROBE_CONVERSATION, TemplateError, Tokenized, apply_length_policy,
-                                  check_template, generation_prompt_ids, tokenize_conversation)
+from eagle3.chat_template import (
+    PROBE_CONVERSATION,
+    TemplateError,
+    Tokenized,
+    apply_length_policy,
+    check_template,
+    generation_prompt_ids,
+    tokenize_conversation,
+)
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -32,12 +40,27 @@ def masked_turns(tokenizer, result: Tokenized) -> list[str]:
 
 def test_mask_covers_every_assistant_turn_and_round_trips(tok):
     result = tokenize_conversation(tok, CONVERSATION)
-    assert result.input_ids == tok.apply_chat_template(
-        [{"role": m["role"], "content": m["content"] if m["role"] != "assistant" or not m.get("reasoning_content")
-          else "<think>\nTwo plus two.\n</think>\n\nIt is 4."} for m in CONVERSATION], tokenize=True,
-        return_dict=True)["input_ids"]
-    assert masked_turns(tok, result) == ["<think>\nTwo plus two.\n</think>\n\nIt is 4.<|im_end|>",
-                                         "6, of course!<|im_end|>", "<|im_end|>"]
+    assert (
+        result.input_ids
+        == tok.apply_chat_template(
+            [
+                {
+                    "role": m["role"],
+                    "content": m["content"]
+                    if m["role"] != "assistant" or not m.get("reasoning_content")
+                    else "<think>\nTwo plus two.\n</think>\n\nIt is 4.",
+                }
+                for m in CONVERSATION
+            ],
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
+    )
+    assert masked_turns(tok, result) == [
+        "<think>\nTwo plus two.\n</think>\n\nIt is 4.<|im_end|>",
+        "6, of course!<|im_end|>",
+        "<|im_end|>",
+    ]
     # Nothing outside the assistant spans is masked, and the spans are exactly the 1s.
     ones = {j for j, m in enumerate(result.loss_mask) if m}
     assert ones == {j for s, e in result.turn_spans for j in range(s, e)}
@@ -65,7 +88,8 @@ def test_template_with_default_system_prompt_smollm2_shape(tok):
         "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
         "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
         "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
     check_template(tok)
     result = tokenize_conversation(tok, CONVERSATION[1:5])
     assert tok.decode(result.input_ids).startswith("<|im_start|>system\nYou are a helpful assistant.")
@@ -92,26 +116,38 @@ def test_real_smollm2_template():
     assert "You are a helpful AI assistant named SmolLM" not in tok.decode(result.input_ids)  # has a system turn
     no_system = tokenize_conversation(tok, CONVERSATION[1:5])
     assert tok.decode(no_system.input_ids).startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
-    assert masked_turns(tok, no_system) == ["<think>\nTwo plus two.\n</think>\n\nIt is 4.<|im_end|>",
-                                            "6, of course!<|im_end|>"]
+    assert masked_turns(tok, no_system) == [
+        "<think>\nTwo plus two.\n</think>\n\nIt is 4.<|im_end|>",
+        "6, of course!<|im_end|>",
+    ]
 
 
-@pytest.mark.parametrize("template, message", [
-    # Strips whitespace: the second probe answer starts with a space -> turn 1 mismatches.
-    ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'] | trim) + '<|im_end|>\\n' }}"
-     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
-     r"assistant turn 1 \(message 4\): the template does not render the assistant text verbatim"),
-    # Renders history differently from the last turn: the generation prompt is not a prefix.
-    ("{% for m in messages %}{% if loop.last %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' }}"
-     "{% else %}{{ '<|im_start|>' + m['role'] + ':' + m['content'] + '\\n' }}{% endif %}{% endfor %}"
-     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
-     r"assistant turn 0 \(message 2\): .* not a prefix"),
-    # A space before the assistant text: ' S' of 'Seven' is one token across the boundary.
-    ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['role'] == 'assistant' %}{{ ' ' }}"
-     "{% endif %}{{ m['content'] + '<|im_end|>\\n' }}{% endfor %}"
-     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n ' }}{% endif %}",
-     r"assistant turn 0: token \d+ .* straddles the boundary"),
-])
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        # Strips whitespace: the second probe answer starts with a space -> turn 1 mismatches.
+        (
+            "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'] | trim) + '<|im_end|>\\n' }}"
+            "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+            r"assistant turn 1 \(message 4\): the template does not render the assistant text verbatim",
+        ),
+        # Renders history differently from the last turn: the generation prompt is not a prefix.
+        (
+            "{% for m in messages %}{% if loop.last %}"
+            "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' }}"
+            "{% else %}{{ '<|im_start|>' + m['role'] + ':' + m['content'] + '\\n' }}{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+            r"assistant turn 0 \(message 2\): .* not a prefix",
+        ),
+        # A space before the assistant text: ' S' of 'Seven' is one token across the boundary.
+        (
+            "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['role'] == 'assistant' %}{{ ' ' }}"
+            "{% endif %}{{ m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n ' }}{% endif %}",
+            r"assistant turn 0: token \d+ .* straddles the boundary",
+        ),
+    ],
+)
 def test_bad_templates_are_refused_naming_template_and_turn(tok, template, message):
     tok = AutoTokenizer.from_pretrained(tok.name_or_path)
     tok.chat_template = template

@@ -1,11 +1,13 @@
 """The block-wise soft cross-entropy (eagle3.chunked_loss) against the plain path it
 replaces: the same loss, argmax, acceptance rate and gradients (float64), on views of the
 target's distribution as score_steps passes them, in blocks that do not divide the rows."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eagle3.chunked_loss import chunked_soft_ce
 from eagle3.objectives import position_loss
@@ -18,8 +20,14 @@ def plain(x, weight, p):
 
 
 @settings(max_examples=25, deadline=None)
-@given(b=st.integers(1, 3), rows=st.integers(1, 40), h=st.integers(2, 12), vd=st.integers(2, 30),
-       block=st.integers(1, 17), seed=st.integers(0, 10_000))
+@given(
+    b=st.integers(1, 3),
+    rows=st.integers(1, 40),
+    h=st.integers(2, 12),
+    vd=st.integers(2, 30),
+    block=st.integers(1, 17),
+    seed=st.integers(0, 10_000),
+)
 def test_chunked_soft_ce_equals_the_plain_path(b, rows, h, vd, block, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(b, rows, h, generator=g, dtype=torch.float64, requires_grad=True)
@@ -79,15 +87,25 @@ def test_a_training_forward_with_blocks_equals_the_plain_one():
     g = torch.Generator().manual_seed(3)
     attn = torch.ones(2, 30, dtype=torch.bool)
     attn[1, 21:] = False
-    batch = {"input_ids": torch.randint(0, cfg.vocab_size, (2, 30), generator=g), "attention_mask": attn,
-             "loss_mask": attn.long(), "aux": torch.randn(2, 30, 3 * cfg.target_hidden_size, generator=g).double(),
-             "final": torch.randn(2, 30, cfg.target_hidden_size, generator=g).double()}
+    batch = {
+        "input_ids": torch.randint(0, cfg.vocab_size, (2, 30), generator=g),
+        "attention_mask": attn,
+        "loss_mask": attn.long(),
+        "aux": torch.randn(2, 30, 3 * cfg.target_hidden_size, generator=g).double(),
+        "final": torch.randn(2, 30, cfg.target_hidden_size, generator=g).double(),
+    }
     head = TargetHead(torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=g).double())
     runs = []
     for block in (0, 7):
         draft = random_draft(cfg, seed=0).train()
-        s = forward_batch(draft, head, batch, TTTConfig(length=3, attention="dense"), train=False,
-                          objective=ObjectiveConfig(loss_block_rows=block))
+        s = forward_batch(
+            draft,
+            head,
+            batch,
+            TTTConfig(length=3, attention="dense"),
+            train=False,
+            objective=ObjectiveConfig(loss_block_rows=block),
+        )
         s.loss.backward()
         runs.append((s, {n: p.grad for n, p in draft.named_parameters() if p.grad is not None}))
     (a, grads_a), (b, grads_b) = runs

@@ -1,5 +1,6 @@
 """Entry points as a user meets them: one clear line per error, locks, multirun folders,
 target identity, and secrets kept out of what is printed."""
+
 from __future__ import annotations
 
 import os
@@ -21,13 +22,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_module(module: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     environment = {**os.environ, "PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "0", "EAGLE3_DEBUG": "0", **(env or {})}
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=environment, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_serve_before_export_says_what_to_do_without_a_traceback(tiny_target, tmp_path):
-    args = ["target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={tmp_path}", "serve.num_steps=1",
-            "serve.topk=1", "serve.num_draft_tokens=16"]
+    args = [
+        "target=tiny",
+        f"cache_dir={tiny_target.parent.parent}",
+        f"run_dir={tmp_path}",
+        "serve.num_steps=1",
+        "serve.topk=1",
+        "serve.num_draft_tokens=16",
+    ]
     proc = run_module("workflows.tools.serve", *args)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
@@ -39,8 +47,9 @@ def test_serve_before_export_says_what_to_do_without_a_traceback(tiny_target, tm
 
 
 def test_a_missing_checkpoint_is_one_line(tmp_path):
-    proc = run_module("workflows.full", "target=kimi_k25_int4", f"target.path={tmp_path / 'absent'}",
-                      f"run_dir={tmp_path / 'run'}")
+    proc = run_module(
+        "workflows.full", "target=kimi_k25_int4", f"target.path={tmp_path / 'absent'}", f"run_dir={tmp_path / 'run'}"
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout
     assert f"error: target.path='{tmp_path / 'absent'}' does not exist" in proc.stderr
 
@@ -52,8 +61,16 @@ def test_a_value_out_of_range_is_refused_at_load(tmp_path):
 
 
 def test_multirun_gives_each_job_its_own_run_folder(tiny_target, tmp_path):
-    proc = run_module("workflows.full", "-m", "target=tiny", f"cache_dir={tiny_target.parent.parent}",
-                      f"run_dir={tmp_path}", "stages=[target]", "train.steps=1,2", "+target.env.HF_TOKEN=hf_SECRET_9")
+    proc = run_module(
+        "workflows.full",
+        "-m",
+        "target=tiny",
+        f"cache_dir={tiny_target.parent.parent}",
+        f"run_dir={tmp_path}",
+        "stages=[target]",
+        "train.steps=1,2",
+        "+target.env.HF_TOKEN=hf_SECRET_9",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     jobs = sorted(p.name for p in (tmp_path / "multirun").iterdir() if p.name != "hydra")
     # Named by their overrides, less locations and secret-bearing values.
@@ -93,6 +110,7 @@ def test_target_identity_is_computed_once_and_follows_the_weights(tiny_target, t
 
 
 def test_printed_commands_mask_the_presets_environment():
-    line = printable_command(["python", "-m", "sglang.launch_server"], {"HF_TOKEN": "hf_abc", "PYTHONPATH": "/x"},
-                             secret_keys={"HF_TOKEN"})
+    line = printable_command(
+        ["python", "-m", "sglang.launch_server"], {"HF_TOKEN": "hf_abc", "PYTHONPATH": "/x"}, secret_keys={"HF_TOKEN"}
+    )
     assert "hf_abc" not in line and "HF_TOKEN=<redacted>" in line and "PYTHONPATH=/x" in line

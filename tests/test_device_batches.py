@@ -3,6 +3,7 @@ data.BatchStream) reaches the GPU in pinned memory, bit for bit, and trains ther
 the CPU. Marked `gpu`: on the real device where there is one (bench.gpu_suite runs it on
 the lent GPU), on the CPU in CI. Imports only torch, numpy and fsspec (the GPU machine has
 no Ray, Hydra or zarr)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,17 +24,23 @@ CFG = tiny_draft_config()
 
 def write_store(folder) -> str:
     g = torch.Generator().manual_seed(0)
-    prov = {"hidden_size": CFG.target_hidden_size, "capture_layer_ids": CFG.capture_layer_ids,
-            "final_is_normed": True, "target": {}}
+    prov = {
+        "hidden_size": CFG.target_hidden_size,
+        "capture_layer_ids": CFG.capture_layer_ids,
+        "final_is_normed": True,
+        "target": {},
+    }
     store = HiddenStateStore.create_or_open(str(folder), prov)
     for k, lengths in enumerate([[9, 5, 7], [6, 8]]):
         t = sum(lengths)
-        data = ShardData(sample_ids=[f"{k}-{i}" for i in range(len(lengths))],
-                         input_ids=torch.randint(0, CFG.vocab_size, (t,), generator=g).numpy().astype(np.int32),
-                         loss_mask=np.ones(t, dtype=np.uint8),
-                         offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-                         aux=to_bf16_bits(torch.randn(t, CFG.num_aux * CFG.target_hidden_size, generator=g)),
-                         final=to_bf16_bits(torch.randn(t, CFG.target_hidden_size, generator=g)))
+        data = ShardData(
+            sample_ids=[f"{k}-{i}" for i in range(len(lengths))],
+            input_ids=torch.randint(0, CFG.vocab_size, (t,), generator=g).numpy().astype(np.int32),
+            loss_mask=np.ones(t, dtype=np.uint8),
+            offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+            aux=to_bf16_bits(torch.randn(t, CFG.num_aux * CFG.target_hidden_size, generator=g)),
+            final=to_bf16_bits(torch.randn(t, CFG.target_hidden_size, generator=g)),
+        )
         store.commit([store.write_shard(f"train-{k:05d}", data)])
     return str(folder)
 

@@ -1,4 +1,5 @@
 """The wiring doctor names both sides of every disagreement."""
+
 import pytest
 import torch
 
@@ -8,9 +9,17 @@ from workflows.core.wiring import Side, check, side_from_engine_capture, side_fr
 
 
 def draft_side(**facts):
-    base = {"capture_layer_ids": [-1, 2, 30], "target_hidden_size": 7168, "target_vocab_size": 163840,
-            "draft_vocab_size": 32000, "vocab_map_sha256": "aa", "tokenizer_sha256": "t1",
-            "chat_template_sha256": "c1", "target_path": "/models/K", "target_num_layers": 61}
+    base = {
+        "capture_layer_ids": [-1, 2, 30],
+        "target_hidden_size": 7168,
+        "target_vocab_size": 163840,
+        "draft_vocab_size": 32000,
+        "vocab_map_sha256": "aa",
+        "tokenizer_sha256": "t1",
+        "chat_template_sha256": "c1",
+        "target_path": "/models/K",
+        "target_num_layers": 61,
+    }
     base.update(facts)
     return Side("draft checkpoint (train/draft)", base)
 
@@ -30,11 +39,20 @@ def test_same_wiring_in_both_conventions_agrees():
     assert check([draft_side(capture_layer_ids=[1, 29, 57]), side_from_engine_capture("engine", [2, 30, 58])]) == []
 
 
-@pytest.mark.parametrize("field, other", [
-    ("target_hidden_size", 4096), ("target_vocab_size", 128256), ("draft_vocab_size", 16000),
-    ("vocab_map_sha256", "bb"), ("tokenizer_sha256", "t2"), ("chat_template_sha256", "c2"),
-    ("target_path", "/models/Other"), ("target_num_layers", 60), ("capture_layer_ids", [1, 29, 57]),
-])
+@pytest.mark.parametrize(
+    "field, other",
+    [
+        ("target_hidden_size", 4096),
+        ("target_vocab_size", 128256),
+        ("draft_vocab_size", 16000),
+        ("vocab_map_sha256", "bb"),
+        ("tokenizer_sha256", "t2"),
+        ("chat_template_sha256", "c2"),
+        ("target_path", "/models/Other"),
+        ("target_num_layers", 60),
+        ("capture_layer_ids", [1, 29, 57]),
+    ],
+)
 def test_every_kind_of_mismatch_is_named(field, other):
     a, b = draft_side(), draft_side(**{field: other})
     b.name = "SGLang export (export/sglang)"
@@ -46,7 +64,9 @@ def test_every_kind_of_mismatch_is_named(field, other):
 
 
 def test_unknown_convention_and_inconsistent_vocab_map_are_errors():
-    side = side_from_provenance("store (run/store)", {"capture_layer_ids": [0, 2, 4], "layer_id_convention": "hf_index"})
+    side = side_from_provenance(
+        "store (run/store)", {"capture_layer_ids": [0, 2, 4], "layer_id_convention": "hf_index"}
+    )
     assert "no known layer-id convention" in check([side])[0]
     bad = Side("draft")
     t2d = torch.zeros(10, dtype=torch.bool)
@@ -67,11 +87,18 @@ def test_export_without_layer_ids_means_sglang_default(tmp_path):
     t2d = torch.zeros(8, dtype=torch.bool)
     t2d[:4] = True
     save_file({"d2t": torch.zeros(4, dtype=torch.long), "t2d": t2d}, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 16, "vocab_size": 8, "draft_vocab_size": 4}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 16, "vocab_size": 8, "draft_vocab_size": 4}
+        )
+    )
     side = doctor.side_from_sglang_export(tmp_path, target_num_layers=61)
-    errors = check([draft_side(draft_vocab_size=None, vocab_map_sha256=None, target_hidden_size=None,
-                               target_vocab_size=None), side])
+    errors = check(
+        [
+            draft_side(draft_vocab_size=None, vocab_map_sha256=None, target_hidden_size=None, target_vocab_size=None),
+            side,
+        ]
+    )
     assert any("says [1, 29, 57] (inputs of layers [2, 30, 58]; SGLang's default" in e for e in errors), errors
 
 
@@ -85,15 +112,29 @@ def export_naming(folder, ids, num_layers=61, vocab=163840):
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[:4] = True
     save_file({"d2t": torch.zeros(4, dtype=torch.long), "t2d": t2d}, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 7168, "vocab_size": vocab, "draft_vocab_size": 4,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}, "eagle3_pipeline": {"target_num_layers": num_layers}}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "hidden_size": 7168,
+                "vocab_size": vocab,
+                "draft_vocab_size": 4,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids},
+                "eagle3_pipeline": {"target_num_layers": num_layers},
+            }
+        )
+    )
     return folder
 
 
 def kimi_draft(ids):
-    return draft_side(capture_layer_ids=ids, draft_vocab_size=None, vocab_map_sha256=None, target_hidden_size=None,
-                      target_vocab_size=None)
+    return draft_side(
+        capture_layer_ids=ids,
+        draft_vocab_size=None,
+        vocab_map_sha256=None,
+        target_hidden_size=None,
+        target_vocab_size=None,
+    )
 
 
 def test_kimi_preset_follows_sglangs_deepseek_rule(tmp_path):

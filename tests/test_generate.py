@@ -1,4 +1,5 @@
 """Regeneration: multi-turn order, length policy, the Ray Data stage, kill/resume, SGLang."""
+
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from eagle3.chat_template import generation_prompt_ids
 from tests.helpers import corpus_rows, kill_run
 from workflows import full
@@ -24,8 +26,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_cfg(tiny_target, run_dir, *extra):
-    return compose(["target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={run_dir}",
-                    "data.max_new_tokens=8", "data.shard_size=4", "data.batch_size=4", "data.dtype=float32", *extra])
+    return compose(
+        [
+            "target=tiny",
+            f"cache_dir={tiny_target.parent.parent}",
+            f"run_dir={run_dir}",
+            "data.max_new_tokens=8",
+            "data.shard_size=4",
+            "data.batch_size=4",
+            "data.dtype=float32",
+            *extra,
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +63,7 @@ def test_sglang_shim_rotary_matches_reference(is_neox):
 
     def reference(x):
         x = x.reshape(tokens, -1, head)
-        a, b = (x[..., : head // 2], x[..., head // 2:]) if is_neox else (x[..., 0::2], x[..., 1::2])
+        a, b = (x[..., : head // 2], x[..., head // 2 :]) if is_neox else (x[..., 0::2], x[..., 1::2])
         ra, rb = a * cos - b * sin, b * cos + a * sin
         return torch.cat((ra, rb), -1) if is_neox else torch.stack((ra, rb), -1).flatten(-2)
 
@@ -63,8 +75,12 @@ def test_sglang_shim_rotary_matches_reference(is_neox):
 
 def test_every_turn_is_regenerated_from_the_regenerated_history(engine):
     tok = engine.tokenizer
-    conv = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "The river"},
-            {"role": "assistant", "content": "ORIGINAL ANSWER"}, {"role": "user", "content": "and then?"}]
+    conv = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "The river"},
+        {"role": "assistant", "content": "ORIGINAL ANSWER"},
+        {"role": "user", "content": "and then?"},
+    ]
     single = [{"role": "user", "content": "A story about a cat"}]
     s = Settings(max_new_tokens=8, max_length=512)
     two_turn, one_turn = regenerate_conversations(engine, tok, [conv, single], s)
@@ -86,14 +102,18 @@ def test_every_turn_is_regenerated_from_the_regenerated_history(engine):
 
 def test_length_policies_are_applied_and_reported(engine):
     tok = engine.tokenizer
-    conv = [{"role": "user", "content": "Tell me about the sea"}, {"role": "assistant", "content": "x"},
-            {"role": "user", "content": "more please, about the sea and the sky"}]
+    conv = [
+        {"role": "user", "content": "Tell me about the sea"},
+        {"role": "assistant", "content": "x"},
+        {"role": "user", "content": "more please, about the sea and the sky"},
+    ]
     prompt_len = len(generation_prompt_ids(tok, conv[:1]))
     cut = regenerate_conversations(engine, tok, [conv], Settings(max_new_tokens=8, max_length=prompt_len + 4))[0]
     assert cut["status"] == "ok" and cut["truncated"] and len(cut["input_ids"]) == prompt_len + 4
     assert cut["turns_cut"] == 1  # the second prompt did not fit: its turn was not generated
-    dropped = regenerate_conversations(engine, tok, [conv], Settings(max_new_tokens=8, max_length=prompt_len + 4,
-                                                                      overlong="drop"))[0]
+    dropped = regenerate_conversations(
+        engine, tok, [conv], Settings(max_new_tokens=8, max_length=prompt_len + 4, overlong="drop")
+    )[0]
     assert dropped["status"] == "overlong_dropped" and dropped["input_ids"] == []
     none = regenerate_conversations(engine, tok, [conv], Settings(max_new_tokens=8, max_length=prompt_len))[0]
     assert none["status"] == "prompt_overlong"
@@ -142,18 +162,25 @@ def test_stage_regenerates_mixture_and_resumes_after_a_crash(tiny_target, tmp_pa
     prompts, ingest_counts = generate.ingest_mixture(cfg)
     samples = corpus_rows(tmp_path)
     assert sorted(r["id"] for r in samples) == sorted(r["id"] for r in prompts)  # no duplicate, no loss
-    assert len(samples) == 12 and {r["dataset"] for r in samples} == {"bundled", "chatterbot_english",
-                                                                       "human_eval", "python_faq"}
+    assert len(samples) == 12 and {r["dataset"] for r in samples} == {
+        "bundled",
+        "chatterbot_english",
+        "human_eval",
+        "python_faq",
+    }
     assert all(r["split"] == split_of(r["id"], 0.3) for r in samples)
     assert {r["split"] for r in samples} == {"train", "heldout"}
     for r in samples:
         assert len(r["input_ids"]) == len(r["loss_mask"]) and sum(r["loss_mask"]) > 0
     table = json.loads((out / "accounting.json").read_text())
     assert sum(c["conversations"] for c in table.values()) == 12
-    assert table["human_eval"]["answer_tokens"] == sum(sum(r["loss_mask"]) for r in samples
-                                                        if r["dataset"] == "human_eval")
-    assert table["chatterbot_english"].get("skipped_duplicate", 0) == ingest_counts["chatterbot_english"][
-        "skipped_duplicate"]
+    assert table["human_eval"]["answer_tokens"] == sum(
+        sum(r["loss_mask"]) for r in samples if r["dataset"] == "human_eval"
+    )
+    assert (
+        table["chatterbot_english"].get("skipped_duplicate", 0)
+        == ingest_counts["chatterbot_english"]["skipped_duplicate"]
+    )
     text = (out / "accounting.txt").read_text()
     assert "TOTAL" in text and "python_faq" in text
     marker = json.loads((out / "DONE.json").read_text())
@@ -175,10 +202,26 @@ def _wait_for(predicate, timeout, proc):
 
 def _run_generate(tiny_target, run_dir, *extra, **popen):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
-    args = [sys.executable, "-m", "workflows.generate", "target=tiny", f"cache_dir={tiny_target.parent.parent}",
-            f"run_dir={run_dir}", "data.max_new_tokens=8", *extra]
-    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, **popen)
+    args = [
+        sys.executable,
+        "-m",
+        "workflows.generate",
+        "target=tiny",
+        f"cache_dir={tiny_target.parent.parent}",
+        f"run_dir={run_dir}",
+        "data.max_new_tokens=8",
+        *extra,
+    ]
+    return subprocess.Popen(
+        args,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        **popen,
+    )
 
 
 @pytest.mark.slow
@@ -187,8 +230,14 @@ def test_sigkill_halfway_then_rerun(tiny_target, tmp_path):
     # One engine, one row at a time: shards commit about a second apart (measured here), so
     # the kill lands with most of them still to do. With two engines and batches of 2 the
     # six shards committed within 0.6 s of each other and a fast machine finished them all.
-    extra = ["mixture=bundled", "data.limit=16", "data.shard_size=2", "data.batch_size=1", "data.num_engines=1",
-             "data.max_new_tokens=64"]
+    extra = [
+        "mixture=bundled",
+        "data.limit=16",
+        "data.shard_size=2",
+        "data.batch_size=1",
+        "data.num_engines=1",
+        "data.max_new_tokens=64",
+    ]
     proc = _run_generate(tiny_target, tmp_path, *extra)
     folder = tmp_path / "generate" / "shards"
     try:
@@ -218,8 +267,18 @@ def test_sglang_backend_on_cpu_matches_hf(tiny_target, tmp_path):
     log = proc.communicate(timeout=420)[0]
     assert proc.returncode == 0, log[-4000:]
     # HF in this process (no child, no second Ray start): the same stage and settings.
-    full.run(compose(["target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={tmp_path / 'hf'}",
-                      "data.max_new_tokens=8", "stages=[target,generate]", *extra]))
+    full.run(
+        compose(
+            [
+                "target=tiny",
+                f"cache_dir={tiny_target.parent.parent}",
+                f"run_dir={tmp_path / 'hf'}",
+                "data.max_new_tokens=8",
+                "stages=[target,generate]",
+                *extra,
+            ]
+        )
+    )
     by_sglang = {r["id"]: r for r in corpus_rows(tmp_path / "sglang")}
     by_hf = {r["id"]: r for r in corpus_rows(tmp_path / "hf")}
     assert by_sglang.keys() == by_hf.keys() and len(by_hf) == 4
@@ -236,8 +295,15 @@ def test_a_shard_that_cannot_be_written_ends_in_one_line_and_the_rest_is_kept(ti
     from workflows.core.errors import USER_ERRORS, StageFailure
     from workflows.core.markers import clear_done
 
-    cfg = tiny_cfg(tiny_target, tmp_path, "mixture=bundled", "data.limit=6", "data.heldout_fraction=0",
-                   "data.shard_size=2", "data.num_engines=1")
+    cfg = tiny_cfg(
+        tiny_target,
+        tmp_path,
+        "mixture=bundled",
+        "data.limit=6",
+        "data.heldout_fraction=0",
+        "data.shard_size=2",
+        "data.num_engines=1",
+    )
     generate.run(cfg, tiny_target)
     folder = tmp_path / "generate" / "shards"
     # Shard 1 is lost (its files removed, the stage no longer done) and cannot be written again.
@@ -246,13 +312,19 @@ def test_a_shard_that_cannot_be_written_ends_in_one_line_and_the_rest_is_kept(ti
     (folder / "00001.parquet").unlink()
     (folder / "00001.parquet").mkdir()
     stamps = {m.name: m.stat().st_mtime_ns for m in folder.glob("*.done.json")}
-    with pytest.raises(StageFailure, match=r"generate: shard\(s\) \[1\] of .*shards did not finish: .*Is a "
-                                           r"directory.*rerun, which regenerates only the others") as failure:
+    with pytest.raises(
+        StageFailure,
+        match=r"generate: shard\(s\) \[1\] of .*shards did not finish: .*Is a "
+        r"directory.*rerun, which regenerates only the others",
+    ) as failure:
         generate.run(cfg, tiny_target)
     assert isinstance(failure.value, USER_ERRORS) and "\n" not in str(failure.value)
     assert {m.name: m.stat().st_mtime_ns for m in folder.glob("*.done.json")} == stamps  # kept, untouched
     (folder / "00001.parquet").rmdir()
     generate.run(cfg, tiny_target)
-    assert sorted(m.name for m in folder.glob("*.done.json")) == ["00000.done.json", "00001.done.json",
-                                                                   "00002.done.json"]
+    assert sorted(m.name for m in folder.glob("*.done.json")) == [
+        "00000.done.json",
+        "00001.done.json",
+        "00002.done.json",
+    ]
     assert all(folder.joinpath(n).stat().st_mtime_ns == t for n, t in stamps.items())

@@ -1,5 +1,6 @@
 """bench.gpu_suite, the GPU proof, rehearsed on the CPU at tiny shapes so that it cannot rot
 before a GPU is lent: every section runs and gives figures that mean something."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_gpu_suite_dry_run_passes_every_section(tmp_path):
     out = tmp_path / "gpu_suite.json"
     env = {**os.environ, "OMP_NUM_THREADS": "2", "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run([sys.executable, "-m", "bench.gpu_suite", "--dry-run", "--out", str(out)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_suite", "--dry-run", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     r = json.loads(out.read_text())
     assert [k for k in r if k != "environment"] == ["gpu_tests", "train_step", "deepspeed", "capture", "decoder"]
@@ -43,8 +50,13 @@ def test_the_gpu_suite_dry_run_passes_every_section(tmp_path):
 
 
 def test_the_suite_asks_for_the_wheels_it_needs(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "bench.gpu_suite", "--wheels", str(tmp_path), "--dry-run"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_suite", "--wheels", str(tmp_path), "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode != 0 and "no wheel; run `make gpu-wheels` here first" in done.stderr
 
 

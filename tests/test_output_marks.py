@@ -1,6 +1,7 @@
 """Settings marked NOT_OUTPUT (eagle3.schema) change how a stage runs, never what it writes:
 every hash and done-key is made of the other settings. Walked field by field over the
 schema, so a new setting is covered the day it is added."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,7 @@ def leaf_fields(section):
 
 
 # Section -> the shared stage hashes reading it (workflows.core.layout.shared_hashes).
-READERS = {"data": {"generate", "capture", "vocab"}, "capture": {"capture"},
-           "target": {"generate", "capture", "vocab"}}
+READERS = {"data": {"generate", "capture", "vocab"}, "capture": {"capture"}, "target": {"generate", "capture", "vocab"}}
 
 
 def test_every_setting_moves_the_shared_hashes_exactly_when_it_affects_output():
@@ -45,8 +45,9 @@ def test_every_setting_moves_the_shared_hashes_exactly_when_it_affects_output():
         for f in leaf_fields(section):
             if f.name == "capture_layer_ids":  # read through target.capture_ids, by capture only
                 continue
-            other = dataclasses.replace(cfg, **{name: dataclasses.replace(section, **{
-                f.name: changed(getattr(section, f.name))})})
+            other = dataclasses.replace(
+                cfg, **{name: dataclasses.replace(section, **{f.name: changed(getattr(section, f.name))})}
+            )
             moved = {stage for stage, h in shared_hashes(other).items() if h != base[stage]}
             if affects_output(f):  # its own stage's hash moves, and every stage downstream of it
                 assert moved == readers, f"{name}.{f.name} changes the output but moves only {moved}"
@@ -55,8 +56,14 @@ def test_every_setting_moves_the_shared_hashes_exactly_when_it_affects_output():
                 assert moved == set(), f"{name}.{f.name} is marked NOT_OUTPUT yet moves {moved}"
     # The settings users raise on a running deployment are among them (issue: a raised
     # timeout re-captured the shared store).
-    assert {"capture.engine_timeout_s", "capture.max_actor_restarts", "capture.micro_batch_tokens",
-            "capture.actors", "data.num_engines", "target.env"} <= set(marked)
+    assert {
+        "capture.engine_timeout_s",
+        "capture.max_actor_restarts",
+        "capture.micro_batch_tokens",
+        "capture.actors",
+        "data.num_engines",
+        "target.env",
+    } <= set(marked)
 
 
 def test_output_dict_leaves_out_exactly_the_marked_fields_at_every_depth():

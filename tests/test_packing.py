@@ -4,9 +4,11 @@ The slow, obvious reference is the padded batch (one sample per row, `collate_sa
 every per-step loss, every scored logit, the gradients and the acceptance of a packed
 batch must equal it in fp64.
 """
+
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eagle3.metrics import acceptance, acceptance_one
 from eagle3.target_features import collate_samples, first_fit, pack_samples
@@ -22,12 +24,14 @@ def make_samples(cfg, lengths, seed=0):
     for n in lengths:
         mask = (torch.rand(n, generator=g) < 0.8).long()
         mask[0] = 0  # a prompt token first, as in real data
-        out.append({
-            "input_ids": torch.randint(0, cfg.vocab_size, (n,), generator=g),
-            "loss_mask": mask,
-            "aux": torch.randn(n, cfg.num_aux * cfg.target_hidden_size, generator=g, dtype=torch.float64),
-            "final": torch.randn(n, cfg.target_hidden_size, generator=g, dtype=torch.float64),
-        })
+        out.append(
+            {
+                "input_ids": torch.randint(0, cfg.vocab_size, (n,), generator=g),
+                "loss_mask": mask,
+                "aux": torch.randn(n, cfg.num_aux * cfg.target_hidden_size, generator=g, dtype=torch.float64),
+                "final": torch.randn(n, cfg.target_hidden_size, generator=g, dtype=torch.float64),
+            }
+        )
     return out
 
 
@@ -136,9 +140,16 @@ def test_packed_equals_padded(backend, seed):
         results = []
         for batch in batches:
             s = forward_batch(draft, head, batch, ttt, train=False)
-            hiddens = unroll(draft, batch["input_ids"], batch["aux"], batch["attention_mask"], steps,
-                             position_ids=batch.get("position_ids"), segment_ids=batch.get("segment_ids"),
-                             attention=backend)
+            hiddens = unroll(
+                draft,
+                batch["input_ids"],
+                batch["aux"],
+                batch["attention_mask"],
+                steps,
+                position_ids=batch.get("position_ids"),
+                segment_ids=batch.get("segment_ids"),
+                attention=backend,
+            )
             # Sums, not means: a packed batch splits the same scored positions differently.
             sums = s.step_loss_t * s.weights.sum((0, 1)).clamp_min(1)
             results.append((s, [draft.logits(h) for h in hiddens], sums))
@@ -156,7 +167,9 @@ def test_packed_equals_padded(backend, seed):
         scored = w_pad.bool()
         for j in range(steps):
             rows = scored[:, j]
-            torch.testing.assert_close(logits[j][r, off : off + n][rows], pad_logits[j][i, :n][rows], rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(
+                logits[j][r, off : off + n][rows], pad_logits[j][i, :n][rows], rtol=1e-10, atol=1e-10
+            )
             assert torch.equal(s.correct[r, off : off + n, j][rows], pad_s.correct[i, :n, j][rows])
     # The cross-entropy itself runs in fp32 (soft_cross_entropy), whatever the model's dtype.
     torch.testing.assert_close(sum(x[2] for x in pack_res), pad_sums, rtol=1e-6, atol=1e-6)
@@ -193,8 +206,12 @@ def test_packed_gradients_equal_padded():
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.integers(1, 15), min_size=1, max_size=5), pad=st.integers(0, 4),
-       k=st.integers(1, 4), seed=st.integers(0, 10_000))
+@given(
+    lengths=st.lists(st.integers(1, 15), min_size=1, max_size=5),
+    pad=st.integers(0, 4),
+    k=st.integers(1, 4),
+    seed=st.integers(0, 10_000),
+)
 def test_acceptance_of_a_packed_row_is_the_sum_of_its_samples(lengths, pad, k, seed):
     g = torch.Generator().manual_seed(seed)
     correct = [torch.rand(n, 4, generator=g) < 0.7 for n in lengths]
@@ -214,5 +231,10 @@ def test_acceptance_of_a_packed_row_is_the_sum_of_its_samples(lengths, pad, k, s
     for c, m in zip(correct, masks):
         a = acceptance_one(c, m, len(m), k)
         want = a if want is None else want.merge(a)
-    assert (got.tokens, got.passes, got.position_sum, got.positions) == (want.tokens, want.passes, want.position_sum, want.positions)
+    assert (got.tokens, got.passes, got.position_sum, got.positions) == (
+        want.tokens,
+        want.passes,
+        want.position_sum,
+        want.positions,
+    )
     assert got.slots == want.slots

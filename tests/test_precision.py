@@ -1,4 +1,5 @@
 """`auto` compute dtypes: measured on the machine, explicit values kept, the choice logged."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,11 +14,14 @@ def fresh_choice():
     precision.cpu_choice.cache_clear()
 
 
-@pytest.mark.parametrize("bf16, fp32, chosen", [
-    (8.0, 55.0, "float32"),    # an AMD EPYC without bf16 units (the figures that made bf16 crawl)
-    (300.0, 50.0, "bfloat16"),  # a Xeon with AMX
-    (55.0, 50.0, "float32"),   # barely faster: not worth the precision
-])
+@pytest.mark.parametrize(
+    "bf16, fp32, chosen",
+    [
+        (8.0, 55.0, "float32"),  # an AMD EPYC without bf16 units (the figures that made bf16 crawl)
+        (300.0, 50.0, "bfloat16"),  # a Xeon with AMX
+        (55.0, 50.0, "float32"),  # barely faster: not worth the precision
+    ],
+)
 def test_auto_picks_the_faster_dtype_and_says_why(monkeypatch, capsys, bf16, fp32, chosen):
     monkeypatch.setattr(precision, "matmul_gflops", lambda dtype: bf16 if dtype == "bfloat16" else fp32)
     assert precision.resolve("auto") == chosen
@@ -55,13 +59,16 @@ def test_the_config_defaults_to_auto_and_the_store_records_the_resolved_dtype(mo
     assert capture_contract(compose(["target=tiny", "capture.dtype=float32"]), identity)["engine_dtype"] == "float32"
 
 
-@pytest.mark.parametrize("bf16, fp32, overrides, chosen, reason", [
-    (8.0, 55.0, [], "float32", "not the serving dtype bfloat16: it runs slowly on this CPU"),
-    (300.0, 50.0, [], "bfloat16", "the serving dtype"),
-    (8.0, 55.0, ["evaluate.dtype=bfloat16"], "bfloat16", "evaluate.dtype=bfloat16"),
-    (300.0, 50.0, ["evaluate.dtype=float32"], "float32", "evaluate.dtype=float32 (serving: bfloat16)"),
-    (8.0, 55.0, ["target=tiny"], "float32", "the serving dtype"),  # the tiny target is served in fp32
-])
+@pytest.mark.parametrize(
+    "bf16, fp32, overrides, chosen, reason",
+    [
+        (8.0, 55.0, [], "float32", "not the serving dtype bfloat16: it runs slowly on this CPU"),
+        (300.0, 50.0, [], "bfloat16", "the serving dtype"),
+        (8.0, 55.0, ["evaluate.dtype=bfloat16"], "bfloat16", "evaluate.dtype=bfloat16"),
+        (300.0, 50.0, ["evaluate.dtype=float32"], "float32", "evaluate.dtype=float32 (serving: bfloat16)"),
+        (8.0, 55.0, ["target=tiny"], "float32", "the serving dtype"),  # the tiny target is served in fp32
+    ],
+)
 def test_evaluation_runs_in_the_serving_dtype_where_it_is_fast(monkeypatch, bf16, fp32, overrides, chosen, reason):
     from workflows.core.config import compose
     from workflows.evaluate import evaluation_dtype

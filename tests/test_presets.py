@@ -1,4 +1,5 @@
 """The GPU presets compose and load (Hydra + the strict schema) with the values they promise."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,13 @@ from workflows.core.config import STAGES, compose
 def test_kimi_target_preset():
     cfg = compose(["target=kimi_k25_int4"])
     t = cfg.target
-    assert (t.name, t.model_type, t.num_layers, t.hidden_size, t.tp_size) == ("kimi_k25_int4", "deepseek_v3", 61,
-                                                                              7168, 8)
+    assert (t.name, t.model_type, t.num_layers, t.hidden_size, t.tp_size) == (
+        "kimi_k25_int4",
+        "deepseek_v3",
+        61,
+        7168,
+        8,
+    )
     assert t.capture_ids == [1, 29, 57] and sglang_layer_inputs(t.capture_ids, t.model_type) == [2, 30, 58]
     assert t.trust_remote_code and cfg.run_dir == "runs/kimi_k25_int4"
 
@@ -42,7 +48,11 @@ def test_kimi_layer_variant_trains_but_is_not_exported():
     cfg = compose(["+experiment=kimi_k25_layers_m1_2_30"])
     assert cfg.target.capture_ids == [-1, 2, 30] and cfg.run_dir == "runs/kimi_k25_int4_layers_m1_2_30"
     assert (cfg.train.ttt.length, cfg.train.max_seq_len, cfg.train.num_workers, cfg.capture.gpus_per_actor) == (
-        5, 8192, 4, 8)  # everything else as kimi_k25
+        5,
+        8192,
+        4,
+        8,
+    )  # everything else as kimi_k25
     assert list(cfg.stages) == ["target", "generate", "capture", "vocab", "train"]
     # Why it stops there: the export stage's check refuses these ids for a DeepSeek-V3 target.
     with pytest.raises(ConfigError, match=r"inputs of layers \[-1, 2, 30\]"):
@@ -59,11 +69,16 @@ def test_llama_experiment_one_gpu():
     assert cfg.run_dir == "runs/llama31_8b"
 
 
-@pytest.mark.parametrize("override, field", [("data.gpus_per_engine=4", "data.gpus_per_engine=4"),
-                                             ("capture.gpus_per_actor=2", "capture.gpus_per_actor=2")])
+@pytest.mark.parametrize(
+    "override, field",
+    [("data.gpus_per_engine=4", "data.gpus_per_engine=4"), ("capture.gpus_per_actor=2", "capture.gpus_per_actor=2")],
+)
 def test_an_sglang_actor_holds_exactly_its_tp_group(override, field):
-    with pytest.raises(ConfigError, match=rf"{field} but target.tp_size=8: an SGLang engine actor is one "
-                                          "tensor-parallel group"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"{field} but target.tp_size=8: an SGLang engine actor is one "
+        "tensor-parallel group",
+    ):
         compose(["+experiment=kimi_k25", override])
     with pytest.raises(ConfigError, match=r"capture.gpus_per_actor=0 \(SGLang on the CPU\) but target.tp_size=8"):
         compose(["+experiment=kimi_k25", "capture.gpus_per_actor=0"])

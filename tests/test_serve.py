@@ -1,4 +1,5 @@
 """What SGLang will really do with the drafting arguments; the launch command; benchmark."""
+
 import os
 import signal
 import subprocess
@@ -63,25 +64,44 @@ def test_benchmark_reads_the_accept_length_of_a_served_draft(memorised, tiny_tar
     from workflows.tools.benchmark import run_benchmark, wait_healthy
 
     port = free_port()
-    argv, env = launch_command(str(tiny_target), str(memorised["sglang"]), resolve_spec_args(3, 1, 4, "LlamaForCausalLM"),
-                               port=port, cpu=True, extra_args=["--log-level", "warning", "--skip-server-warmup"])
+    argv, env = launch_command(
+        str(tiny_target),
+        str(memorised["sglang"]),
+        resolve_spec_args(3, 1, 4, "LlamaForCausalLM"),
+        port=port,
+        cpu=True,
+        extra_args=["--log-level", "warning", "--skip-server-warmup"],
+    )
     assert env["SGLANG_USE_CPU_ENGINE"] == "1" and "--mem-fraction-static 0.2" in " ".join(argv)
-    proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        argv, env={**os.environ, **env}, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, timeout_s=300, proc=proc)
-        rows = [{"input_ids": p, "max_new_tokens": n} for p, n in zip(memorised["prompts"], memorised["max_new_tokens"])]
+        rows = [
+            {"input_ids": p, "max_new_tokens": n} for p, n in zip(memorised["prompts"], memorised["max_new_tokens"])
+        ]
         one = run_benchmark(url, rows, max_new_tokens=2048, warmup=0, runs=8, concurrency=[1])["results"]["1"]
         assert one["completion_tokens"] == sum(memorised["max_new_tokens"])  # each row's own budget
         assert one["accept_length"] == pytest.approx(memorised["chain"]["acceptance_sglang"], rel=0.02)
-        by_openai = run_benchmark(url, rows, max_new_tokens=2048, warmup=0, runs=2, concurrency=[1], api="openai",
-                                  model=str(tiny_target))["results"]["1"]  # one row per run: rows 0 and 1
+        by_openai = run_benchmark(
+            url, rows, max_new_tokens=2048, warmup=0, runs=2, concurrency=[1], api="openai", model=str(tiny_target)
+        )["results"]["1"]  # one row per run: rows 0 and 1
         assert by_openai["completion_tokens"] == sum(memorised["max_new_tokens"][:2])  # the rows' budgets there too
         prompts = ["The quick brown fox", "Once upon a time", "In the beginning"]
         for api in ("generate", "openai"):
-            res = run_benchmark(url, prompts, max_new_tokens=12, warmup=1, runs=2, concurrency=[1, 3], api=api,
-                                model=str(tiny_target), ignore_eos=True)
+            res = run_benchmark(
+                url,
+                prompts,
+                max_new_tokens=12,
+                warmup=1,
+                runs=2,
+                concurrency=[1, 3],
+                api=api,
+                model=str(tiny_target),
+                ignore_eos=True,
+            )
             single, many = res["results"]["1"], res["results"]["3"]
             assert single["runs"] == 2 and single["completion_tokens"] == 2 * 12
             assert many["completion_tokens"] == 2 * 3 * 12
@@ -103,8 +123,9 @@ def test_serve_defaults_to_what_the_report_evaluated(tmp_path):
     (tmp_path / "report").mkdir()
     (tmp_path / "report" / "report.json").write_text(json.dumps({"num_steps": 5, "topk": 1, "num_draft_tokens": 6}))
     assert drafting_to_serve(cfg) == (5, 1, 6)
-    explicit = compose(["target=tiny", f"run_dir={tmp_path}", "serve.num_steps=2", "serve.topk=4",
-                        "serve.num_draft_tokens=8"])
+    explicit = compose(
+        ["target=tiny", f"run_dir={tmp_path}", "serve.num_steps=2", "serve.topk=4", "serve.num_draft_tokens=8"]
+    )
     assert drafting_to_serve(explicit) == (2, 4, 8)
     # Never SGLang's own per-architecture pick (a (5, 4, 8) tree for Llama) unless asked for.
     assert resolve_spec_args(*drafting_to_serve(cfg), "LlamaForCausalLM").topk == 1

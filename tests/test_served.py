@@ -5,6 +5,7 @@ Each engine's own acceptance figure must equal the reference decoder's predictio
 engine's definition, its outputs must equal plain greedy decoding, and an export that feeds
 the draft the wrong layers must fall below the prediction and be called out. The draft is
 `memorised` (conftest): strong enough (acceptance ~3.8 of 4) that a wiring fault shows."""
+
 import json
 import shutil
 
@@ -16,9 +17,18 @@ pytestmark = pytest.mark.slow
 
 
 def job(memorised, tiny_target, engine, folder=None, topk=1, num_draft_tokens=4):
-    return ServeJob(engine=engine, target_path=str(tiny_target), draft_path=str(folder or memorised[engine]),
-                    num_steps=3, topk=topk, num_draft_tokens=num_draft_tokens, prompts=memorised["prompts"],
-                    max_new_tokens=memorised["max_new_tokens"], dtype="float32", timeout_s=600)
+    return ServeJob(
+        engine=engine,
+        target_path=str(tiny_target),
+        draft_path=str(folder or memorised[engine]),
+        num_steps=3,
+        topk=topk,
+        num_draft_tokens=num_draft_tokens,
+        prompts=memorised["prompts"],
+        max_new_tokens=memorised["max_new_tokens"],
+        dtype="float32",
+        timeout_s=600,
+    )
 
 
 PREDICTED = {"sglang": "acceptance_sglang", "vllm": "acceptance_vllm"}
@@ -32,8 +42,13 @@ def test_sglang_serves_the_tree_as_predicted(memorised, tiny_target):
     reference = memorised["tree"]  # the tree (topk 2, 6 draft tokens) drafted with SGLang's draft attention
     predicted = reference["acceptance_sglang"]
     assert reference["lossless"] and predicted > 3.5  # a strong draft: the check below can fail
-    check = served_check(job(memorised, tiny_target, "sglang", topk=2, num_draft_tokens=6),
-                         memorised["greedy"], predicted, "acceptance_sglang", tolerance=0.02)
+    check = served_check(
+        job(memorised, tiny_target, "sglang", topk=2, num_draft_tokens=6),
+        memorised["greedy"],
+        predicted,
+        "acceptance_sglang",
+        tolerance=0.02,
+    )
     assert check["identical_to_greedy"] == 8 and check["divergent"] == [], check
     assert check["accept_length"] == pytest.approx(predicted, rel=0.02), check
     assert check["matches_prediction"] and "BELOW" not in verdict(check)
@@ -47,9 +62,16 @@ def test_a_served_check_without_drafts_and_bad_settings_say_so(tmp_path):
     from workflows.core.config import compose
     from workflows.core.serving import VLLM_VENV, vllm_python
 
-    check = {"engine": "vllm 0.32.0", "accept_length": float("nan"), "prompts": 8, "predicted": 1.5,
-             "served_over_predicted": float("nan"), "matches_prediction": False, "tolerance": 0.02,
-             "identical_to_greedy": 8}
+    check = {
+        "engine": "vllm 0.32.0",
+        "accept_length": float("nan"),
+        "prompts": 8,
+        "predicted": 1.5,
+        "served_over_predicted": float("nan"),
+        "matches_prediction": False,
+        "tolerance": 0.02,
+        "identical_to_greedy": 8,
+    }
     assert "reported no speculative verify pass" in verdict(check) and "above" not in verdict(check)
     with pytest.raises(ConfigError, match=r"evaluate.vllm_python=/no/such/python: no such interpreter"):
         vllm_python("/no/such/python")
@@ -81,8 +103,13 @@ def miswire(memorised, engine, folder):
 def test_a_draft_served_on_the_wrong_layers_falls_below_its_prediction(memorised, tiny_target, engine, tmp_path):
     predicted = memorised["chain"][PREDICTED[engine]]
     folder = miswire(memorised, engine, tmp_path / engine)
-    check = served_check(job(memorised, tiny_target, engine, folder=folder), memorised["greedy"], predicted,
-                         PREDICTED[engine], tolerance=0.02)
+    check = served_check(
+        job(memorised, tiny_target, engine, folder=folder),
+        memorised["greedy"],
+        predicted,
+        PREDICTED[engine],
+        tolerance=0.02,
+    )
     assert check["identical_to_greedy"] == 8  # still lossless: only the drafts are worse
     assert check["predicted"] > 3.5  # against a strong draft's prediction (3.94 for vLLM's counters)
     assert check["served_over_predicted"] < 0.85 and not check["matches_prediction"], check

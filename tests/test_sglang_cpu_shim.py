@@ -6,6 +6,7 @@
   drafting helpers.
 * The verify and draft-decode attention against a per-query, per-head softmax loop.
 End to end (SGLang serving a draft with them): tests/test_served.py."""
+
 import importlib
 import json
 import os
@@ -25,8 +26,13 @@ SHIM = ROOT / "workflows" / "sglang_cpu_shim"
 @pytest.mark.slow  # the Triton interpreter runs SGLang's kernels: minutes
 def test_the_cpu_ops_do_what_sglangs_own_kernels_do():
     env = {**os.environ, "TRITON_INTERPRET": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "sglang_kernel_parity.py"), "30"], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "sglang_kernel_parity.py"), "30"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     # Both mask layouts per case; trees of 1-3 requests, topk 1-3, 1-4 steps; paths accepted.
@@ -61,7 +67,7 @@ class Pool:
         return self.v
 
 
-LAYER = SimpleNamespace(tp_q_head_num=4, tp_k_head_num=2, qk_head_dim=8, v_head_dim=8, scaling=8 ** -0.5, layer_id=0)
+LAYER = SimpleNamespace(tp_q_head_num=4, tp_k_head_num=2, qk_head_dim=8, v_head_dim=8, scaling=8**-0.5, layer_id=0)
 
 
 def slow_attention(q, pool, slots):
@@ -83,15 +89,27 @@ def test_verify_attends_to_the_prefix_and_the_tree(full_mask):
         table = torch.randperm(64, generator=g).view(4, 16)
         pool = Pool(64, 2, 8, g)
         out_cache_loc = torch.tensor([40, 41, 42, 43, 50, 51, 52, 53])
-        trees = [torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool),
-                 torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)]
-        mask = torch.cat([torch.cat([torch.ones(D, n, dtype=torch.bool), t], 1).flatten() if full_mask else t.flatten()
-                          for n, t in zip(seq_lens, trees)])
-        batch = SimpleNamespace(spec_info=SimpleNamespace(draft_token_num=D, custom_mask=mask),
-                                seq_lens=torch.tensor(seq_lens), req_pool_indices=torch.tensor(reqs),
-                                out_cache_loc=out_cache_loc)
-        backend = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=table),
-                                  use_sliding_window_kv_pool=False)
+        trees = [
+            torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool),
+            torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool),
+        ]
+        mask = torch.cat(
+            [
+                torch.cat([torch.ones(D, n, dtype=torch.bool), t], 1).flatten() if full_mask else t.flatten()
+                for n, t in zip(seq_lens, trees)
+            ]
+        )
+        batch = SimpleNamespace(
+            spec_info=SimpleNamespace(draft_token_num=D, custom_mask=mask),
+            seq_lens=torch.tensor(seq_lens),
+            req_pool_indices=torch.tensor(reqs),
+            out_cache_loc=out_cache_loc,
+        )
+        backend = SimpleNamespace(
+            token_to_kv_pool=pool,
+            req_to_token_pool=SimpleNamespace(req_to_token=table),
+            use_sliding_window_kv_pool=False,
+        )
         q, k, v = torch.randn(8, 32, generator=g), torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
         got = verify.verify_forward(backend, q, k, v, LAYER, batch).view(8, 4, 8)
     assert torch.equal(pool.k[out_cache_loc], k.view(8, 2, 8))  # the draft tokens' KV written first
@@ -107,17 +125,22 @@ def test_draft_decode_step_i_sees_the_prefix_and_its_rank_s_slots():
         steps, topk, seq_lens, reqs = 4, 2, [3, 6], [1, 3]
         table = torch.randperm(96, generator=g).view(4, 24)
         pool = Pool(96, 2, 8, g)
-        runner = SimpleNamespace(device="cpu", req_to_token_pool=SimpleNamespace(req_to_token=table),
-                                 token_to_kv_pool=pool)
+        runner = SimpleNamespace(
+            device="cpu", req_to_token_pool=SimpleNamespace(req_to_token=table), token_to_kv_pool=pool
+        )
         backend = draft.TorchNativeMultiStepDraftBackend(runner, topk, steps)
-        batch = SimpleNamespace(seq_lens=torch.tensor(seq_lens), req_pool_indices=torch.tensor(reqs),
-                                out_cache_loc=None, forward_mode=None)
+        batch = SimpleNamespace(
+            seq_lens=torch.tensor(seq_lens), req_pool_indices=torch.tensor(reqs), out_cache_loc=None, forward_mode=None
+        )
         backend.init_forward_metadata(batch)
         assert len(backend.attn_backends) == steps - 1
         for i, step in enumerate(backend.attn_backends):
             # SGLang's layout: request b's draft slots follow its prefix as [topk, steps].
-            want = [table[req, :n].tolist() + table[req, n + r * steps : n + r * steps + i + 1].tolist()
-                    for req, n in zip(reqs, seq_lens) for r in range(topk)]
+            want = [
+                table[req, :n].tolist() + table[req, n + r * steps : n + r * steps + i + 1].tolist()
+                for req, n in zip(reqs, seq_lens)
+                for r in range(topk)
+            ]
             assert [s.tolist() for s in step.query_slots] == want
             batch.out_cache_loc = torch.tensor([w[-1] for w in want])  # this step's own slots
             q, k, v = (torch.randn(4, d, generator=g) for d in (32, 16, 16))

@@ -1,10 +1,10 @@
 """The reference speculative decoder is lossless and counts acceptance right."""
+
 import pytest
 import torch
 
 from eagle3.attention import KVCache
-from eagle3.spec_decode import (DraftTree, Eagle3Drafter, SpeculativeDecoder, check_tree_args, greedy_decode,
-                                select_tree)
+from eagle3.spec_decode import DraftTree, Eagle3Drafter, SpeculativeDecoder, check_tree_args, greedy_decode, select_tree
 from tests.helpers import random_draft, tiny_draft_config, tiny_hf_llama
 
 LAYERS = [0, 2, 4]
@@ -33,7 +33,7 @@ class OracleDrafter:
             pos = self.known + depth - 1
             good = self.ref[pos] if pos < len(self.ref) else 0
             bad = (good + 1) % VOCAB
-            for tok in ([bad, good] if topk > 1 else [good if self.right else bad]):
+            for tok in [bad, good] if topk > 1 else [good if self.right else bad]:
                 if len(tree) == num_draft_tokens - 1:
                     return tree
                 tree.tokens.append(tok if self.right or tok == bad else (good + 2) % VOCAB)
@@ -45,8 +45,9 @@ class OracleDrafter:
 
 def prompts(n, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(3, VOCAB, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +58,23 @@ def target():
 def test_plain_greedy_matches_hf_generate(target):
     for p in prompts(4):
         ours, _ = greedy_decode(target, p, 20)
-        hf = target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)[0, len(p):].tolist()
+        hf = target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)[
+            0, len(p) :
+        ].tolist()
         assert ours == hf
 
 
-@pytest.mark.parametrize("steps,topk,ndt,norms", [(1, 1, 2, {}), (3, 1, 4, {"fc_norm": True}), (5, 1, 6, {}),
-                                                 (3, 2, 6, {"norm_before_fc": True}), (2, 3, 8, {}), (4, 4, 12, {})])
+@pytest.mark.parametrize(
+    "steps,topk,ndt,norms",
+    [
+        (1, 1, 2, {}),
+        (3, 1, 4, {"fc_norm": True}),
+        (5, 1, 6, {}),
+        (3, 2, 6, {"norm_before_fc": True}),
+        (2, 3, 8, {}),
+        (4, 4, 12, {}),
+    ],
+)
 def test_eagle3_draft_decoding_is_lossless(target, steps, topk, ndt, norms):
     """Lossless for any draft, the feature norms before fc included (the decoder fuses with them)."""
     draft = random_draft(tiny_draft_config(target_hidden_size=24, **norms), seed=steps + topk)
@@ -191,8 +202,9 @@ def draft_rounds(drafter, draft, num_steps, topk, ndt, rounds=6, seed=0):
     trees = []
     for k in range(rounds):
         n = 7 if k == 0 else 1 + k % 3
-        drafter.commit(torch.randint(3, VOCAB, (n,), generator=g).tolist(),
-                       torch.randn(n, width, generator=g, dtype=torch.float64))
+        drafter.commit(
+            torch.randint(3, VOCAB, (n,), generator=g).tolist(), torch.randn(n, width, generator=g, dtype=torch.float64)
+        )
         tree = drafter.propose(num_steps, topk, ndt)
         trees.append((tree.tokens, tree.parents, tree.depths))
     return trees
@@ -225,8 +237,9 @@ def test_chains_and_two_step_trees_are_the_same_in_both_modes(steps, topk, ndt):
 def test_sglang_mode_decodes_losslessly(target):
     draft = random_draft(tiny_draft_config(target_hidden_size=24), seed=4)
     exact = SpeculativeDecoder(target, Eagle3Drafter(draft), LAYERS, num_steps=4, topk=2, num_draft_tokens=8)
-    sglang = SpeculativeDecoder(target, Eagle3Drafter(draft, sglang_compatible=True), LAYERS, num_steps=4, topk=2,
-                                num_draft_tokens=8)
+    sglang = SpeculativeDecoder(
+        target, Eagle3Drafter(draft, sglang_compatible=True), LAYERS, num_steps=4, topk=2, num_draft_tokens=8
+    )
     for p in prompts(2, seed=9):
         ref, _ = greedy_decode(target, p, 16)
         a, b = exact.generate(p, 16), sglang.generate(p, 16)
@@ -238,8 +251,11 @@ def test_evaluate_decodes_with_the_mode_and_reports_both_figures(target, monkeyp
     from workflows.evaluate import decoding
 
     modes, real = [], decoding.Eagle3Drafter
-    monkeypatch.setattr(decoding, "Eagle3Drafter", lambda d, sglang_compatible=False: (
-        modes.append(sglang_compatible), real(d, sglang_compatible))[1])
+    monkeypatch.setattr(
+        decoding,
+        "Eagle3Drafter",
+        lambda d, sglang_compatible=False: (modes.append(sglang_compatible), real(d, sglang_compatible))[1],
+    )
     draft = random_draft(tiny_draft_config(target_hidden_size=24), seed=4)
     p = prompts(1, seed=9)[0]
     ref, _ = greedy_decode(target, p, 12)
@@ -247,18 +263,40 @@ def test_evaluate_decodes_with_the_mode_and_reports_both_figures(target, monkeyp
     dec = evaluate.decode_all(target, draft, rows, LAYERS, 4, 2, 8, [], sglang_compatible=True)
     assert modes == [True] and dec["lossless"] and dec["per_row"][0]["gained"] == 11
 
-    report = {"draft": "d", "target": "t", "prompts": 1, "max_new_tokens": 12, "num_steps": 4, "topk": 2,
-              "acceptance_offline": 1.5, "acceptance_offline_per_position_average": 1.7, "acceptance_decoded": 1.6,
-              "acceptance_decoded_sglang_definition": 1.8, "dtype": "float32", "serve_args": ["--x"],
-              "parity_ratio": 0.94, "lossless": True, "text_agreement": 1.0, "tokens_per_s_plain": 10.0,
-              "tokens_per_s_decoded": 12.0, "speedup_decoded": 1.2, "per_position_acceptance_offline": [0.5] * 4,
-              "per_position_acceptance": [0.5] * 4,
-              "sglang_draft_attention": {"acceptance_decoded": 1.25, "acceptance_decoded_sglang_definition": 1.375,
-                                         "lossless": True, "per_position_acceptance": [0.4] * 4}}
+    report = {
+        "draft": "d",
+        "target": "t",
+        "prompts": 1,
+        "max_new_tokens": 12,
+        "num_steps": 4,
+        "topk": 2,
+        "acceptance_offline": 1.5,
+        "acceptance_offline_per_position_average": 1.7,
+        "acceptance_decoded": 1.6,
+        "acceptance_decoded_sglang_definition": 1.8,
+        "dtype": "float32",
+        "serve_args": ["--x"],
+        "parity_ratio": 0.94,
+        "lossless": True,
+        "text_agreement": 1.0,
+        "tokens_per_s_plain": 10.0,
+        "tokens_per_s_decoded": 12.0,
+        "speedup_decoded": 1.2,
+        "per_position_acceptance_offline": [0.5] * 4,
+        "per_position_acceptance": [0.5] * 4,
+        "sglang_draft_attention": {
+            "acceptance_decoded": 1.25,
+            "acceptance_decoded_sglang_definition": 1.375,
+            "lossless": True,
+            "per_position_acceptance": [0.4] * 4,
+        },
+    }
     md = evaluate.markdown(report, [])
     assert "| acceptance decoded (tokens per target pass) | 1.600 |" in md
-    assert ("| acceptance decoded with SGLang's tree-draft attention (frontier-rank KV slots): tokens per pass / "
-            "SGLang's definition / lossless | 1.250 / 1.375 / True |") in md
+    assert (
+        "| acceptance decoded with SGLang's tree-draft attention (frontier-rank KV slots): tokens per pass / "
+        "SGLang's definition / lossless | 1.250 / 1.375 / True |"
+    ) in md
 
 
 @pytest.mark.parametrize("topk, ndt", [(1, 4), (2, 6)], ids=["chain", "tree"])
@@ -273,8 +311,9 @@ def test_speculative_sampling_is_distributed_as_sampling_from_the_target(target,
     temperature, runs, p = 0.2, 600, prompts(1, seed=5)[0]
     ref, _ = greedy_decode(target, p, 4)
     g = torch.Generator().manual_seed(0)
-    dec = SpeculativeDecoder(target, OracleDrafter(p + ref, True), LAYERS, 3, topk, ndt, temperature=temperature,
-                             generator=g)
+    dec = SpeculativeDecoder(
+        target, OracleDrafter(p + ref, True), LAYERS, 3, topk, ndt, temperature=temperature, generator=g
+    )
     counts, accepted = {}, 0
     for _ in range(runs):
         res = dec.generate(p, 3)

@@ -2,6 +2,7 @@
 files need, not the corpus. Two synthetic corpora 10x apart are planned in one run, and the
 driver's peak Python allocation (tracemalloc) is compared with the old way (read the whole
 corpus, plans with every token) measured on the same corpora."""
+
 from __future__ import annotations
 
 import random
@@ -10,8 +11,8 @@ import tracemalloc
 
 import pytest
 
-from workflows.capture import stage as capture
 from workflows.capture import plan as capture_plan
+from workflows.capture import stage as capture
 from workflows.capture.writer import CorpusFiles
 from workflows.core.config import compose
 from workflows.core.layout import RunLayout
@@ -26,18 +27,37 @@ SHARD_SAMPLES = 8
 def synthetic_corpus(tiny_target, run_dir, n: int) -> RunLayout:
     """A finished generate stage of `n` conversations (random tokens), written as the
     generate actors write it: <k>.parquet + <k>.done.json per FILE_ROWS rows, then DONE."""
-    cfg = compose(["target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={run_dir}",
-                   f"capture.shard_samples={SHARD_SAMPLES}"])
+    cfg = compose(
+        [
+            "target=tiny",
+            f"cache_dir={tiny_target.parent.parent}",
+            f"run_dir={run_dir}",
+            f"capture.shard_samples={SHARD_SAMPLES}",
+        ]
+    )
     layout = RunLayout.of(cfg)
     layout.corpus_shards.mkdir(parents=True)
     rng = random.Random(n)
     for k in range(0, n, FILE_ROWS):
-        rows = [{"id": f"s{i:07d}", "dataset": "synthetic", "split": "heldout" if i % 10 == 0 else "train",
-                 "shard": k // FILE_ROWS, "status": "ok", "error": None, "finish": "length", "truncated": False,
-                 "turns_cut": 0, "messages_json": "[]", "input_ids": [rng.randrange(256, 49152) for _ in
-                                                                       range(SAMPLE_TOKENS)],
-                 "loss_mask": [1] * SAMPLE_TOKENS, "prompt_tokens": 0, "answer_tokens": SAMPLE_TOKENS}
-                for i in range(k, min(n, k + FILE_ROWS))]
+        rows = [
+            {
+                "id": f"s{i:07d}",
+                "dataset": "synthetic",
+                "split": "heldout" if i % 10 == 0 else "train",
+                "shard": k // FILE_ROWS,
+                "status": "ok",
+                "error": None,
+                "finish": "length",
+                "truncated": False,
+                "turns_cut": 0,
+                "messages_json": "[]",
+                "input_ids": [rng.randrange(256, 49152) for _ in range(SAMPLE_TOKENS)],
+                "loss_mask": [1] * SAMPLE_TOKENS,
+                "prompt_tokens": 0,
+                "answer_tokens": SAMPLE_TOKENS,
+            }
+            for i in range(k, min(n, k + FILE_ROWS))
+        ]
         commit_shard_files(layout.corpus_shards, k // FILE_ROWS, rows)
     mark_done(layout.stage_dir("generate"), {"synthetic": n})
     return layout
@@ -63,9 +83,14 @@ def dispatch(layout: RunLayout, out):
 def old_dispatch(layout: RunLayout):
     """The old way, for comparison: the whole corpus in the driver, plans carrying tokens."""
     rows = layout.read_corpus()
-    return [{"name": f"{k}", "input_ids": [r["input_ids"] for r in rows[k : k + SHARD_SAMPLES]],
-             "loss_mask": [r["loss_mask"] for r in rows[k : k + SHARD_SAMPLES]]}
-            for k in range(0, len(rows), SHARD_SAMPLES)]
+    return [
+        {
+            "name": f"{k}",
+            "input_ids": [r["input_ids"] for r in rows[k : k + SHARD_SAMPLES]],
+            "loss_mask": [r["loss_mask"] for r in rows[k : k + SHARD_SAMPLES]],
+        }
+        for k in range(0, len(rows), SHARD_SAMPLES)
+    ]
 
 
 @pytest.mark.slow
@@ -100,8 +125,10 @@ def test_capture_dispatch_memory_does_not_grow_with_the_corpus(tiny_target, tmp_
         same, _, same_sha = capture_plan.plan_shards(layout.read_corpus(), SHARD_SAMPLES)
         assert same_sha == corpus_sha and [p.name for p in same] == [name for name, _ in plans]
     small, large = sizes
-    print(f"driver peak: new {new[small]} -> {new[large]} B, old {old[small]} -> {old[large]} B; "
-          f"dispatch {seconds[small]:.3f} -> {seconds[large]:.3f} s")
+    print(
+        f"driver peak: new {new[small]} -> {new[large]} B, old {old[small]} -> {old[large]} B; "
+        f"dispatch {seconds[small]:.3f} -> {seconds[large]:.3f} s"
+    )
     # Per-token driver time does not grow with the corpus (a quadratic step, such as a
     # manifest rewritten per shard, would make this ratio ~10).
     assert (seconds[large] / large) / (seconds[small] / small) < 2.0

@@ -1,6 +1,6 @@
 """The Zarr hidden-state store: round trip, commit protocol, provenance, verify, s3."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import numpy as np
 import pytest
@@ -16,11 +16,21 @@ H, IDS = 8, [0, 2, 4]
 
 
 def provenance(**over):
-    prov = {"target_path": "/t", "target_weights_sha256": "abc", "num_layers": 6,
-            "hidden_size": H, "capture_layer_ids": IDS, "layer_id_convention": "output_of_layer",
-            "state_dtype": "bfloat16", "final_is_normed": True, "tokenizer_sha256": "tok",
-            "chat_template_sha256": "tpl", "backend": "hf", "plan": {"shard_samples": 3},
-            "target": {"vocab_size": 100}}
+    prov = {
+        "target_path": "/t",
+        "target_weights_sha256": "abc",
+        "num_layers": 6,
+        "hidden_size": H,
+        "capture_layer_ids": IDS,
+        "layer_id_convention": "output_of_layer",
+        "state_dtype": "bfloat16",
+        "final_is_normed": True,
+        "tokenizer_sha256": "tok",
+        "chat_template_sha256": "tpl",
+        "backend": "hf",
+        "plan": {"shard_samples": 3},
+        "target": {"vocab_size": 100},
+    }
     prov.update(over)
     return prov
 
@@ -30,10 +40,14 @@ def make_shard(ids, lengths, seed=0):
     t = sum(lengths)
     aux = torch.randn(t, len(IDS) * H, generator=g)
     final = torch.randn(t, H, generator=g)
-    data = ShardData(sample_ids=list(ids), input_ids=np.arange(t, dtype=np.int32) % 100,
-                     loss_mask=(np.arange(t) % 2).astype(np.uint8),
-                     offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-                     aux=to_bf16_bits(aux), final=to_bf16_bits(final))
+    data = ShardData(
+        sample_ids=list(ids),
+        input_ids=np.arange(t, dtype=np.int32) % 100,
+        loss_mask=(np.arange(t) % 2).astype(np.uint8),
+        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        aux=to_bf16_bits(aux),
+        final=to_bf16_bits(final),
+    )
     return data, aux, final
 
 
@@ -65,7 +79,9 @@ def test_uncommitted_and_half_written_shards_are_invisible(tmp_path):
     # A half-written shard: the writer died before setting its marker.
     half = store.write_shard("000002", make_shard(["c"], [3])[0])
     import zarr
+
     from storage.zarr_io import zarr_store
+
     zarr.open_group(zarr_store(store.shard_url("000002")), mode="r+").attrs["complete"] = False
     assert StoreReader(str(tmp_path / "s")).sample_ids == ["a"]
     assert store.shard_is_complete("000001") and not store.shard_is_complete("000002")
@@ -152,8 +168,12 @@ def test_s3_store_on_local_moto_server():
         endpoint = f"http://{host}:{port}"
         creds = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing", "region_name": "us-east-1"}
         boto3.client("s3", endpoint_url=endpoint, **creds).create_bucket(Bucket="states")
-        opts = {"key": "testing", "secret": "testing", "endpoint_url": endpoint,
-                "client_kwargs": {"region_name": "us-east-1"}}
+        opts = {
+            "key": "testing",
+            "secret": "testing",
+            "endpoint_url": endpoint,
+            "client_kwargs": {"region_name": "us-east-1"},
+        }
         url = "s3://states/run1/store"
         store = HiddenStateStore.create_or_open(url, provenance(), storage_options=opts)
         data, aux, final = make_shard(["a", "b"], [4, 6])
@@ -187,17 +207,22 @@ def test_direct_layout_is_zarrs_own(tmp_path):
 
     fs = fsspec.filesystem("file")
     rng = np.random.default_rng(0)
-    cases = [(rng.integers(0, 99, 11, dtype=np.int32), None), (np.ones(5, np.uint8), None),
-             (np.arange(4, dtype=np.int64), None), (rng.integers(0, 2**16, (10, 6), dtype=np.uint16), 3),
-             (rng.integers(0, 2**16, (9, 4), dtype=np.uint16), 9)]
+    cases = [
+        (rng.integers(0, 99, 11, dtype=np.int32), None),
+        (np.ones(5, np.uint8), None),
+        (np.arange(4, dtype=np.int64), None),
+        (rng.integers(0, 2**16, (10, 6), dtype=np.uint16), 3),
+        (rng.integers(0, 2**16, (9, 4), dtype=np.uint16), 9),
+    ]
     for k, (arr, rows) in enumerate(cases):
         # zarr's metadata for the same array
         g = zarr.open_group(zarr_store(str(tmp_path / f"z{k}")), mode="w")
         chunks, shards = ((len(arr),), None)
         if rows:
             chunks, shards = (rows, arr.shape[1]), (-(-len(arr) // rows) * rows, arr.shape[1])
-        g.create_array("a", shape=arr.shape, dtype=arr.dtype, chunks=chunks, shards=shards, compressors=None,
-                       fill_value=0)
+        g.create_array(
+            "a", shape=arr.shape, dtype=arr.dtype, chunks=chunks, shards=shards, compressors=None, fill_value=0
+        )
         ours = zarr_direct.array_metadata(arr.shape, arr.dtype, rows)
         assert ours == json.loads((tmp_path / f"z{k}" / "a" / "zarr.json").read_text()), arr.dtype
         # ours written, zarr reads it
@@ -215,8 +240,9 @@ def test_direct_layout_is_zarrs_own(tmp_path):
     arr = rng.integers(1, 2**16, (10, 4), dtype=np.uint16)
     arr[3:6] = 0  # inner chunk 1 (rows 3..5) is all fill value: zarr omits it
     g = zarr.open_group(zarr_store(str(tmp_path / "zabsent")), mode="w")
-    g.create_array("a", shape=arr.shape, dtype=arr.dtype, chunks=(3, 4), shards=(12, 4), compressors=None,
-                   fill_value=0)[...] = arr
+    g.create_array(
+        "a", shape=arr.shape, dtype=arr.dtype, chunks=(3, 4), shards=(12, 4), compressors=None, fill_value=0
+    )[...] = arr
     path = str(tmp_path / "zabsent" / "a")
     lay = zarr_direct.layout_of(path, json.loads((tmp_path / "zabsent" / "a" / "zarr.json").read_text()))
     assert (zarr_direct.RowReader(fs, lay).index()[1] == -1).all()
@@ -226,9 +252,9 @@ def test_direct_layout_is_zarrs_own(tmp_path):
     import google_crc32c
 
     blob = bytearray(open(lay.file, "rb").read())
-    index = np.frombuffer(bytes(blob[-lay.index_bytes:-4]), dtype="<u8").copy()
+    index = np.frombuffer(bytes(blob[-lay.index_bytes : -4]), dtype="<u8").copy()
     index[0] = len(blob)  # chunk 0's offset: past the end
-    blob[-lay.index_bytes:] = index.tobytes() + np.array([google_crc32c.value(index.tobytes())], "<u4").tobytes()
+    blob[-lay.index_bytes :] = index.tobytes() + np.array([google_crc32c.value(index.tobytes())], "<u4").tobytes()
     open(lay.file, "wb").write(bytes(blob))
     with pytest.raises(zarr_direct.CorruptArray, match="points outside the file"):
         zarr_direct.read_whole(fs, lay)
@@ -245,8 +271,11 @@ def test_commit_writes_one_small_file_and_compaction_folds_the_log(tmp_path, mon
     store = HiddenStateStore.create_or_open(url, provenance())
     writes: list[tuple[str, int]] = []
     real = store_mod.write_bytes_atomic
-    monkeypatch.setattr(store_mod, "write_bytes_atomic",
-                        lambda fs, path, data, **kw: (writes.append((path, len(data))), real(fs, path, data, **kw)))
+    monkeypatch.setattr(
+        store_mod,
+        "write_bytes_atomic",
+        lambda fs, path, data, **kw: (writes.append((path, len(data))), real(fs, path, data, **kw)),
+    )
     sizes = []
     for k in range(12):
         store.write_shard(f"{k:06d}", make_shard([f"x{k}"], [2], seed=k)[0])
@@ -303,10 +332,12 @@ def split_store(tmp_path):
     """train/heldout-named shards and an old-style name; returns (url, {shard: [(id, length)]})."""
     url = str(tmp_path / "s")
     store = HiddenStateStore.create_or_open(url, provenance())
-    layout = {"heldout-000000-aaaa": [("h0", 3), ("h1", 2)],
-              "train-000000-bbbb": [(f"t{i}", 2 + i % 3) for i in range(8)],
-              "train-000001-cccc": [("u0", 4), ("u1", 1)],
-              "000003-dddd": [("o0", 2)]}
+    layout = {
+        "heldout-000000-aaaa": [("h0", 3), ("h1", 2)],
+        "train-000000-bbbb": [(f"t{i}", 2 + i % 3) for i in range(8)],
+        "train-000001-cccc": [("u0", 4), ("u1", 1)],
+        "000003-dddd": [("o0", 2)],
+    }
     for k, (name, samples) in enumerate(layout.items()):
         data, _, _ = make_shard([s for s, _ in samples], [n for _, n in samples], seed=k)
         store.commit([store.write_shard(name, data, chunk_bytes=100)])
@@ -360,6 +391,7 @@ def corrupt(tmp_path, name, how):
     shard = tmp_path / "s" / "shards" / name
     if how == "deleted":
         import shutil
+
         shutil.rmtree(shard)
     elif how == "truncated":
         f = shard / "aux" / "c" / "0" / "0"
@@ -374,14 +406,23 @@ def corrupt(tmp_path, name, how):
         (shard / "offsets" / "c" / "0").write_bytes(off.tobytes())
     elif how == "incomplete":
         import zarr
+
         from storage.zarr_io import zarr_store
+
         zarr.open_group(zarr_store(str(shard)), mode="r+").attrs["complete"] = False
 
 
-@pytest.mark.parametrize("how,problem", [
-    ("deleted", "shard group is missing"), ("truncated", "truncated|checksum"), ("missing file", "missing"),
-    ("unreadable array", "array aux metadata is unreadable"), ("bad offsets", "offsets .* do not split"),
-    ("incomplete", "never marked it complete")])
+@pytest.mark.parametrize(
+    "how,problem",
+    [
+        ("deleted", "shard group is missing"),
+        ("truncated", "truncated|checksum"),
+        ("missing file", "missing"),
+        ("unreadable array", "array aux metadata is unreadable"),
+        ("bad offsets", "offsets .* do not split"),
+        ("incomplete", "never marked it complete"),
+    ],
+)
 def test_corrupt_shard_raises_naming_it_or_is_skipped_and_counted(tmp_path, how, problem):
     url, layout = split_store(tmp_path)
     bad = "train-000000-bbbb"

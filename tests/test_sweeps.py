@@ -1,4 +1,5 @@
 """Sweeps: shared corpus and store across runs, the W&B sweep file, the cluster presets."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,10 +21,22 @@ SWEEP_FILE = PROJECT_ROOT / "conf" / "sweep" / "ttt_noise_lr.yaml"
 def tiny_trial(tiny_target, tmp_path, *extra):
     """One sweep trial on the tiny target: its own run folder, the shared folder of the sweep."""
     name = "".join(c if c.isalnum() else "_" for c in "_".join(extra)) or "base"
-    return compose(["target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={tmp_path / name}",
-                    f"shared_dir={tmp_path / 'shared'}", "mixture=bundled", "data.limit=6",
-                    "data.max_new_tokens=8", "data.heldout_fraction=0.25", "data.dtype=float32",
-                    "capture.dtype=float32", "stages=[target,generate,capture]", *extra])
+    return compose(
+        [
+            "target=tiny",
+            f"cache_dir={tiny_target.parent.parent}",
+            f"run_dir={tmp_path / name}",
+            f"shared_dir={tmp_path / 'shared'}",
+            "mixture=bundled",
+            "data.limit=6",
+            "data.max_new_tokens=8",
+            "data.heldout_fraction=0.25",
+            "data.dtype=float32",
+            "capture.dtype=float32",
+            "stages=[target,generate,capture]",
+            *extra,
+        ]
+    )
 
 
 # ------------------------------------------------------------------ shared stage outputs
@@ -31,8 +44,9 @@ def tiny_trial(tiny_target, tmp_path, *extra):
 
 def test_shared_folders_follow_what_determines_each_stage(tmp_path):
     def layout(*extra):
-        return RunLayout.of(compose(["target=tiny", f"run_dir={tmp_path / 'run'}", f"shared_dir={tmp_path / 's'}",
-                                     *extra]))
+        return RunLayout.of(
+            compose(["target=tiny", f"run_dir={tmp_path / 'run'}", f"shared_dir={tmp_path / 's'}", *extra])
+        )
 
     base = layout()
     assert set(base.shared) == {"generate", "capture", "vocab"}
@@ -174,9 +188,16 @@ def test_sweep_metric_is_what_training_logs(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: run, Settings=dict))
     cfg = compose(["target=tiny", f"run_dir={tmp_path}", "tracking.wandb=true"])
     tracker = tracking.Tracker(cfg, tmp_path)
-    tracker({"step": 9, "loss": 1.0, "lr": 1e-3, "grad_norm": 0.5, "step_acc": [0.5, 0.25],
-             "eval": {"k": 4, "acceptance_walk": 1.75, "acceptance_per_position_average": 1.9,
-                      "step_acc": [0.5, 0.25]}})
+    tracker(
+        {
+            "step": 9,
+            "loss": 1.0,
+            "lr": 1e-3,
+            "grad_norm": 0.5,
+            "step_acc": [0.5, 0.25],
+            "eval": {"k": 4, "acceptance_walk": 1.75, "acceptance_per_position_average": 1.9, "step_acc": [0.5, 0.25]},
+        }
+    )
     tracker.close({})
     metric = yaml.safe_load(SWEEP_FILE.read_text())["metric"]
     assert metric["goal"] == "maximize" and logged[0][metric["name"]] == 1.75
@@ -187,8 +208,13 @@ def test_sweep_metric_is_what_training_logs(tmp_path, monkeypatch):
 
 def test_cluster_presets_compose():
     local = compose(["cluster=local"]).cluster
-    assert (local.address, local.num_cpus, local.dashboard, local.dashboard_host, local.dashboard_port) == \
-        (None, None, True, "127.0.0.1", None)
+    assert (local.address, local.num_cpus, local.dashboard, local.dashboard_host, local.dashboard_port) == (
+        None,
+        None,
+        True,
+        "127.0.0.1",
+        None,
+    )
     assert compose(["cluster=existing"]).cluster.address == "auto"
     existing = compose(["cluster=existing", "cluster.address=ray://head:10001"]).cluster
     assert existing.address == "ray://head:10001" and existing.dashboard is True  # the rest: schema defaults
@@ -229,10 +255,23 @@ def test_a_job_joins_an_existing_cluster_and_ships_its_code(tmp_path):
     env["OMP_NUM_THREADS"] = "1"
     port = free_port()
     ray_cli = str(Path(sys.executable).with_name("ray"))
-    head = subprocess.Popen([ray_cli, "start", "--head", "--block", f"--port={port}", "--num-cpus=3",
-                             "--include-dashboard=false", "--disable-usage-stats"],
-                            cwd=tmp_path, env=env, stdout=open(tmp_path / "head.log", "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    head = subprocess.Popen(
+        [
+            ray_cli,
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--num-cpus=3",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=open(tmp_path / "head.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         # Run from elsewhere, with the project importable only for the driver itself.
         probe = f"import sys; sys.path.insert(0, {str(PROJECT_ROOT)!r})\n" + PROBE
@@ -240,9 +279,15 @@ def test_a_job_joins_an_existing_cluster_and_ships_its_code(tmp_path):
         while line is None and time.monotonic() < deadline:  # the head takes a few seconds to come up
             assert head.poll() is None, (tmp_path / "head.log").read_text()[-3000:]
             # The head has token authentication on: a job joining by address says so.
-            proc = subprocess.run([sys.executable, "-c", probe, f"127.0.0.1:{port}"], cwd=tmp_path,
-                                  env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True, text=True, timeout=240)
-            line = next((l for l in proc.stdout.splitlines() if l.startswith("PROBE ")), None)
+            proc = subprocess.run(
+                [sys.executable, "-c", probe, f"127.0.0.1:{port}"],
+                cwd=tmp_path,
+                env={**env, "RAY_AUTH_MODE": "token"},
+                capture_output=True,
+                text=True,
+                timeout=240,
+            )
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("PROBE ")), None)
         assert line is not None, proc.stderr[-3000:]
     finally:
         if head.poll() is None:
@@ -268,5 +313,7 @@ def test_a_refused_join_names_the_address_and_the_token_setting(monkeypatch):
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", refuse)
-    with pytest.raises(config_module.ConfigError, match=r"cluster.address=10.0.0.5:6379: could not join .*RAY_AUTH_MODE=token"):
+    with pytest.raises(
+        config_module.ConfigError, match=r"cluster.address=10.0.0.5:6379: could not join .*RAY_AUTH_MODE=token"
+    ):
         ensure_ray(ClusterSection(address="10.0.0.5:6379"))

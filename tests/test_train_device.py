@@ -1,6 +1,7 @@
 """The training path on CUDA, checked on the CPU: the dtype follows the workers' device, one
 device for DeepSpeed and the batches, gradients freed before the forward, presets that do
 not generate what they throw away, a bounded held-out evaluation."""
+
 from __future__ import annotations
 
 import types
@@ -24,13 +25,16 @@ def fresh_choice():
     precision.cpu_choice.cache_clear()
 
 
-@pytest.mark.parametrize("overrides, backend, chosen", [
-    (["train.gpus_per_worker=1"], "deepspeed", "bfloat16"),  # GPU workers: bf16, whatever the driver's CPU
-    (["train.backend=local", "train.device=cuda"], "plain", "bfloat16"),
-    ([], "deepspeed", "float32"),  # CPU workers: the measured choice of this CPU
-    (["train.backend=local"], "plain", "float32"),
-    ([], "online", "float32"),
-])
+@pytest.mark.parametrize(
+    "overrides, backend, chosen",
+    [
+        (["train.gpus_per_worker=1"], "deepspeed", "bfloat16"),  # GPU workers: bf16, whatever the driver's CPU
+        (["train.backend=local", "train.device=cuda"], "plain", "bfloat16"),
+        ([], "deepspeed", "float32"),  # CPU workers: the measured choice of this CPU
+        (["train.backend=local"], "plain", "float32"),
+        ([], "online", "float32"),
+    ],
+)
 def test_the_training_dtype_follows_the_workers_device(monkeypatch, overrides, backend, chosen):
     from workflows.train.stage import training_dtype
 
@@ -89,16 +93,20 @@ def test_last_steps_gradients_are_freed_before_the_forward():
     draft = random_draft(cfg, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     b, t = 2, 12
-    batch = {"input_ids": torch.randint(0, cfg.vocab_size, (b, t), generator=g),
-             "loss_mask": torch.ones(b, t, dtype=torch.long), "attention_mask": torch.ones(b, t, dtype=torch.bool),
-             "aux": torch.randn(b, t, cfg.num_aux * cfg.target_hidden_size, generator=g),
-             "final": torch.randn(b, t, cfg.target_hidden_size, generator=g)}
+    batch = {
+        "input_ids": torch.randint(0, cfg.vocab_size, (b, t), generator=g),
+        "loss_mask": torch.ones(b, t, dtype=torch.long),
+        "attention_mask": torch.ones(b, t, dtype=torch.bool),
+        "aux": torch.randn(b, t, cfg.num_aux * cfg.target_hidden_size, generator=g),
+        "final": torch.randn(b, t, cfg.target_hidden_size, generator=g),
+    }
     head = TargetHead(torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=g))
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[: cfg.draft_vocab_size] = True
     draft.set_vocab_mapping(torch.zeros(cfg.draft_vocab_size, dtype=torch.long), t2d)  # draft id i = target id i
-    loop = LoopConfig(steps=2, ttt=TTTConfig(length=2, attention="dense"), optim=OptimConfig(lr=1e-3),
-                      compute_dtype="float32")
+    loop = LoopConfig(
+        steps=2, ttt=TTTConfig(length=2, attention="dense"), optim=OptimConfig(lr=1e-3), compute_dtype="float32"
+    )
     opt = PlainOptimizer(draft, loop.optim)
     alive = []
     draft.fc.register_forward_pre_hook(lambda *_: alive.append(sum(p.grad is not None for p in draft.parameters())))
@@ -121,16 +129,28 @@ def saved_bytes(t: int, vd: int, h: int, ttt: int, kind: str, block: int = 0) ->
     from eagle3.objectives import ObjectiveConfig
     from eagle3.training import forward_batch
 
-    cfg = tiny_draft_config(hidden_size=h, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                            intermediate_size=2 * h, vocab_size=2 * vd, draft_vocab_size=vd, target_hidden_size=h)
+    cfg = tiny_draft_config(
+        hidden_size=h,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=2 * h,
+        vocab_size=2 * vd,
+        draft_vocab_size=vd,
+        target_hidden_size=h,
+    )
     draft = random_draft(cfg, dtype=torch.float32).train()
     t2d = torch.zeros(2 * vd, dtype=torch.bool)
     t2d[:vd] = True
     draft.set_vocab_mapping(torch.zeros(vd, dtype=torch.long), t2d)
     g = torch.Generator().manual_seed(0)
-    batch = {"input_ids": torch.randint(0, 2 * vd, (1, t), generator=g), "loss_mask": torch.ones(1, t, dtype=torch.long),
-             "attention_mask": torch.ones(1, t, dtype=torch.bool), "aux": torch.randn(1, t, 3 * h, generator=g),
-             "final": torch.randn(1, t, h, generator=g)}
+    batch = {
+        "input_ids": torch.randint(0, 2 * vd, (1, t), generator=g),
+        "loss_mask": torch.ones(1, t, dtype=torch.long),
+        "attention_mask": torch.ones(1, t, dtype=torch.bool),
+        "aux": torch.randn(1, t, 3 * h, generator=g),
+        "final": torch.randn(1, t, h, generator=g),
+    }
     head = TargetHead(torch.randn(2 * vd, h, generator=g))
     storages = {}
 
@@ -139,14 +159,22 @@ def saved_bytes(t: int, vd: int, h: int, ttt: int, kind: str, block: int = 0) ->
         return x
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        forward_batch(draft, head, batch, TTTConfig(length=ttt, attention="dense"), train=True,
-                      objective=ObjectiveConfig(kind=kind, loss_block_rows=block))
+        forward_batch(
+            draft,
+            head,
+            batch,
+            TTTConfig(length=ttt, attention="dense"),
+            train=True,
+            objective=ObjectiveConfig(kind=kind, loss_block_rows=block),
+        )
     return sum(storages.values())
 
 
 @pytest.mark.parametrize("t, vd, h", [(64, 4096, 32), (128, 4096, 32), (64, 8192, 64)])
-@pytest.mark.parametrize("kind, block, vd_tensors", [("soft_ce", 0, 1), ("log_acceptance", 0, 2),
-                                                     ("kl_acceptance", 0, 2), ("soft_ce", 48, 0)])
+@pytest.mark.parametrize(
+    "kind, block, vd_tensors",
+    [("soft_ce", 0, 1), ("log_acceptance", 0, 2), ("kl_acceptance", 0, 2), ("soft_ce", 48, 0)],
+)
 def test_a_ttt_step_saves_one_draft_vocab_distribution_for_backward(t, vd, h, kind, block, vd_tensors):
     """Per TTT step autograd keeps log_softmax's output [T, Vd] (and, where the loss is the
     acceptance rate, exp of it): the target's distribution is one shared tensor (slices, not

@@ -1,5 +1,6 @@
 """Training from the store on Ray Train + DeepSpeed: exact resume after SIGKILL, DeepSpeed
 against the plain loop, resume refusals, corrupt shards. On the tiny target, CPU, fp32."""
+
 from __future__ import annotations
 
 import json
@@ -26,11 +27,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def overrides(tiny_target, run_dir, *extra) -> list[str]:
-    return ["target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={run_dir}", "mixture=bundled",
-            "data.limit=16", "data.max_new_tokens=24", "data.heldout_fraction=0.25", "capture.shard_samples=4",
-            "data.dtype=float32", "capture.dtype=float32", "train.capture_dtype=float32",
-            "train.compute_dtype=float32", "train.optim.lr=3e-3", "cluster.dashboard=false",
-            "train.packing=false", "train.batch_size=2", *extra]
+    return [
+        "target=tiny",
+        f"cache_dir={tiny_target.parent.parent}",
+        f"run_dir={run_dir}",
+        "mixture=bundled",
+        "data.limit=16",
+        "data.max_new_tokens=24",
+        "data.heldout_fraction=0.25",
+        "capture.shard_samples=4",
+        "data.dtype=float32",
+        "capture.dtype=float32",
+        "train.capture_dtype=float32",
+        "train.compute_dtype=float32",
+        "train.optim.lr=3e-3",
+        "cluster.dashboard=false",
+        "train.packing=false",
+        "train.batch_size=2",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -68,25 +83,45 @@ def test_sigkill_mid_epoch_then_resume_is_bit_exact(tiny_target, captured, tmp_p
     """Two Ray Train workers; a real SIGKILL of the run's process group between two
     checkpoints; the rerun's steps (losses, grad norms, accuracies, held-out figures) and
     final weights equal an uninterrupted run's exactly."""
-    args = ("train.steps=24", "train.checkpoint_every=8", "train.eval_every=8", "train.log_every=1",
-            "train.num_workers=2")
+    args = (
+        "train.steps=24",
+        "train.checkpoint_every=8",
+        "train.eval_every=8",
+        "train.log_every=1",
+        "train.num_workers=2",
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # The uninterrupted reference runs beside the run to be killed (its own Ray), not before
     # it: the two start-ups overlap. Sharing the cores changes timings only, not the maths.
     reference = copy_run(captured, tmp_path / "reference")
     ref_log = open(tmp_path / "reference.log", "w")
-    ref_proc = subprocess.Popen(train_command(tiny_target, reference, *args), cwd=ROOT, env=env, stdout=ref_log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    ref_proc = subprocess.Popen(
+        train_command(tiny_target, reference, *args),
+        cwd=ROOT,
+        env=env,
+        stdout=ref_log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
     killed = copy_run(captured, tmp_path / "killed")
     log = open(tmp_path / "killed.log", "w")
-    proc = subprocess.Popen(train_command(tiny_target, killed, *args), cwd=ROOT, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        train_command(tiny_target, killed, *args),
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         try:
             # Past the step-8 checkpoint, and Ray has recorded it (its snapshot names it).
-            while (not logged_steps(killed) or logged_steps(killed)[-1] < 11
-                   or latest_ray_checkpoint(killed / "train") is None):
+            while (
+                not logged_steps(killed)
+                or logged_steps(killed)[-1] < 11
+                or latest_ray_checkpoint(killed / "train") is None
+            ):
                 assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
                 time.sleep(0.05)
         finally:
@@ -94,8 +129,9 @@ def test_sigkill_mid_epoch_then_resume_is_bit_exact(tiny_target, captured, tmp_p
         assert not (killed / "train" / "DONE.json").exists() and not (killed / "train" / "metrics.json").exists()
         assert logged_steps(killed)[-1] < 23  # killed mid-run, not after it
 
-        done = subprocess.run(train_command(tiny_target, killed, *args), cwd=ROOT, env=env, capture_output=True,
-                              text=True)
+        done = subprocess.run(
+            train_command(tiny_target, killed, *args), cwd=ROOT, env=env, capture_output=True, text=True
+        )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert "train: resuming from step 8" in done.stdout
         assert ref_proc.wait(timeout=600) == 0, (tmp_path / "reference.log").read_text()[-3000:]
@@ -135,8 +171,14 @@ def test_online_states_train_through_the_same_loop_and_resume_exactly(tiny_targe
     """train.data_source=online: the states the target computes in this process go through
     the store's loop (cadence, records, held-out evaluation, metrics.json), and a run killed
     for real between two checkpoints resumes to the uninterrupted run's records exactly."""
-    cadence = ("stages=[train]", "train.backend=local", "train.steps=40", "train.checkpoint_every=10",
-               "train.eval_every=10", "train.log_every=1")
+    cadence = (
+        "stages=[train]",
+        "train.backend=local",
+        "train.steps=40",
+        "train.checkpoint_every=10",
+        "train.eval_every=10",
+        "train.log_every=1",
+    )
     store = copy_run(captured, tmp_path / "store")
     full.run(compose(overrides(tiny_target, store, *cadence, "train.data_source=store")))
     online = ("train.data_source=online", "capture.shard_samples=4", *cadence)
@@ -144,8 +186,9 @@ def test_online_states_train_through_the_same_loop_and_resume_exactly(tiny_targe
     # their kernels round alike.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     reference = copy_run(captured, tmp_path / "reference")
-    ran = subprocess.run(train_command(tiny_target, reference, *online), cwd=ROOT, env=env, capture_output=True,
-                         text=True)
+    ran = subprocess.run(
+        train_command(tiny_target, reference, *online), cwd=ROOT, env=env, capture_output=True, text=True
+    )
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     m_store = json.loads((store / "train" / "metrics.json").read_text())
     m_online = json.loads((reference / "train" / "metrics.json").read_text())
@@ -156,9 +199,14 @@ def test_online_states_train_through_the_same_loop_and_resume_exactly(tiny_targe
         assert [r["step"] for r in records(run) if "eval" in r] == [9, 19, 29, 39]
 
     killed = copy_run(captured, tmp_path / "killed")
-    proc = subprocess.Popen(train_command(tiny_target, killed, *online), cwd=ROOT, env=env,
-                            stdout=open(tmp_path / "killed.log", "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        train_command(tiny_target, killed, *online),
+        cwd=ROOT,
+        env=env,
+        stdout=open(tmp_path / "killed.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     loop_state = killed / "train" / "checkpoint" / "loop_rank0.json"
     try:
         while not loop_state.exists():
@@ -167,8 +215,9 @@ def test_online_states_train_through_the_same_loop_and_resume_exactly(tiny_targe
     finally:
         kill_run(proc)
     assert not (killed / "train" / "metrics.json").exists() and logged_steps(killed)[-1] < 39
-    done = subprocess.run(train_command(tiny_target, killed, *online), cwd=ROOT, env=env, capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        train_command(tiny_target, killed, *online), cwd=ROOT, env=env, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "train: resuming from step 10" in done.stdout
     assert records(killed) == records(reference)
@@ -183,22 +232,31 @@ def test_a_resume_with_changed_settings_is_refused_naming_them(tiny_target, capt
     with pytest.raises(ConfigError, match=r"steps: 2 -> 4"):
         full.run(compose(overrides(tiny_target, run_dir, *base, "train.steps=4")))
     with pytest.raises(ConfigError, match=r"ttt: .*'length': 7.* -> .*'length': 3"):
-        full.run(compose(overrides(tiny_target, run_dir, *base, "train.steps=2", "train.ttt.length=3",
-                                   "train.acceptance_k=3")))
+        full.run(
+            compose(
+                overrides(tiny_target, run_dir, *base, "train.steps=2", "train.ttt.length=3", "train.acceptance_k=3")
+            )
+        )
     # Starting afresh is explicit; a warm start takes weights only.
     full.run(compose(overrides(tiny_target, run_dir, *base, "train.steps=4", "train.resume=false")))
     assert json.loads((checkpoint / "loop_rank0.json").read_text())["step"] == 4
     warm = copy_run(captured, tmp_path / "warm")
-    full.run(compose(overrides(tiny_target, warm, *base, "train.steps=2",
-                               f"train.init_from={run_dir / 'train' / 'draft'}")))
+    full.run(
+        compose(overrides(tiny_target, warm, *base, "train.steps=2", f"train.init_from={run_dir / 'train' / 'draft'}"))
+    )
     first_warm, first_cold = records(warm)[0], records(run_dir)[0]
     assert first_warm["loss"] < first_cold["loss"]  # it starts from the trained weights
     with pytest.raises(ConfigError, match=r"objective: .*'kind': 'soft_ce'.* -> .*'kind': 'kl_acceptance'"):
         full.run(compose(overrides(tiny_target, run_dir, *base, "train.steps=4", "train.objective.kind=kl_acceptance")))
     # Another objective and fc_norm train through the same loop; the acceptance rate is tracked.
     other = copy_run(captured, tmp_path / "other")
-    full.run(compose(overrides(tiny_target, other, *base, "train.steps=2", "train.objective.kind=kl_acceptance",
-                               "draft.fc_norm=true")))
+    full.run(
+        compose(
+            overrides(
+                tiny_target, other, *base, "train.steps=2", "train.objective.kind=kl_acceptance", "draft.fc_norm=true"
+            )
+        )
+    )
     alpha = json.loads((other / "train" / "metrics.json").read_text())["step_alpha"]
     assert len(alpha) == 7 and all(0 < a < 1 for a in alpha) and len(records(other)[-1]["step_alpha"]) == 7
     assert "fc_norm.2.weight" in load_file(str(other / "train" / "draft" / "draft.safetensors"))
@@ -220,8 +278,11 @@ def test_a_corrupt_shard_is_named_or_skipped_and_counted(tiny_target, captured, 
 
 def test_training_refuses_a_store_of_other_settings(tiny_target, captured, tmp_path):
     run_dir = copy_run(captured, tmp_path / "run")
-    cfg = compose(overrides(tiny_target, run_dir, "stages=[train]", "train.backend=local", "train.steps=2",
-                            "target.hidden_size=96"))
+    cfg = compose(
+        overrides(
+            tiny_target, run_dir, "stages=[train]", "train.backend=local", "train.steps=2", "target.hidden_size=96"
+        )
+    )
     with pytest.raises(Exception, match="hidden_size"):
         train_stage.run(cfg, tiny_target)
 
@@ -233,8 +294,20 @@ def test_the_trainer_runs_on_the_device_it_is_given(tiny_target, captured, tmp_p
     runs = {}
     for name in ("cpu", device.type):
         run_dir = copy_run(captured, tmp_path / f"run-{name}-{len(runs)}")
-        full.run(compose(overrides(tiny_target, run_dir, "stages=[train]", "train.backend=local", "train.steps=3",
-                                   "train.eval_every=3", "train.log_every=1", f"train.device={name}")))
+        full.run(
+            compose(
+                overrides(
+                    tiny_target,
+                    run_dir,
+                    "stages=[train]",
+                    "train.backend=local",
+                    "train.steps=3",
+                    "train.eval_every=3",
+                    "train.log_every=1",
+                    f"train.device={name}",
+                )
+            )
+        )
         runs[len(runs)] = (records(run_dir), json.loads((run_dir / "train" / "metrics.json").read_text()))
     (cpu_records, cpu_final), (dev_records, dev_final) = runs[0], runs[1]
     assert [r["tokens"] for r in dev_records] == [r["tokens"] for r in cpu_records]
@@ -282,9 +355,29 @@ def test_quality_ablation_bench_runs_its_grid_on_a_validation_split(tiny_target,
 
     run_dir = copy_run(captured, tmp_path / "run")
     out = tmp_path / "ablation"
-    bench_quality.main(["--overrides", *overrides(tiny_target, run_dir, "evaluate.num_steps=3"), "--only", "base",
-                        "fc_norm", "--steps", "3", "--seeds", "0", "--validation-fraction", "0.3",
-                        "--decode-prompts", "2", "--decode-tokens", "6", "--jobs", "1", "--out", str(out)])
+    bench_quality.main(
+        [
+            "--overrides",
+            *overrides(tiny_target, run_dir, "evaluate.num_steps=3"),
+            "--only",
+            "base",
+            "fc_norm",
+            "--steps",
+            "3",
+            "--seeds",
+            "0",
+            "--validation-fraction",
+            "0.3",
+            "--decode-prompts",
+            "2",
+            "--decode-tokens",
+            "6",
+            "--jobs",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     result = json.loads(out.with_suffix(".json").read_text())
     assert [r["name"] for r in result["table"]] == ["base", "fc_norm"]
     for row in result["table"]:

@@ -4,11 +4,13 @@ Reference: for every row t, the draft is run as at inference with a KV cache: pr
 rows 0..t from the target states (step 0), then one token at a time, each step reading
 its own previous hidden state and the teacher-forced token x_{t+1+j} at position t+j.
 """
+
 import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eagle3.attention import KVCache, TTTAttention
 from eagle3.ttt import shift_left, unroll
@@ -110,9 +112,11 @@ def reference_ttt_attention(qs, ks, vs, valid):
                     keys, vals = [], []
                     for s in range(t):
                         if s <= ti and valid[bi, s]:
-                            keys.append(ks[0][bi, hi, s]); vals.append(vs[0][bi, hi, s])
+                            keys.append(ks[0][bi, hi, s])
+                            vals.append(vs[0][bi, hi, s])
                     for i in range(1, j + 1):
-                        keys.append(ks[i][bi, hi, ti]); vals.append(vs[i][bi, hi, ti])
+                        keys.append(ks[i][bi, hi, ti])
+                        vals.append(vs[i][bi, hi, ti])
                     if not keys:
                         continue
                     q = qs[j][bi, hi, ti]
@@ -125,14 +129,18 @@ def reference_ttt_attention(qs, ks, vs, valid):
 
 @settings(max_examples=25, deadline=None)
 @given(
-    b=st.integers(1, 2), h=st.integers(1, 3), t=st.integers(1, 6), steps=st.integers(1, 4),
-    pad=st.integers(0, 5), seed=st.integers(0, 10_000),
+    b=st.integers(1, 2),
+    h=st.integers(1, 3),
+    t=st.integers(1, 6),
+    steps=st.integers(1, 4),
+    pad=st.integers(0, 5),
+    seed=st.integers(0, 10_000),
 )
 def test_ttt_attention_matches_reference_mask(b, h, t, steps, pad, seed):
     g = torch.Generator().manual_seed(seed)
     d = 4
     valid = torch.ones(b, t, dtype=torch.bool)
-    valid[-1, max(1, t - pad):] = False  # right padding of the last sample, first key valid
+    valid[-1, max(1, t - pad) :] = False  # right padding of the last sample, first key valid
     qs = [torch.randn(b, h, t, d, generator=g, dtype=torch.float64) for _ in range(steps)]
     ks = [torch.randn(b, h, t, d, generator=g, dtype=torch.float64) for _ in range(steps)]
     vs = [torch.randn(b, h, t, d, generator=g, dtype=torch.float64) for _ in range(steps)]

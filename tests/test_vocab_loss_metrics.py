@@ -2,7 +2,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eagle3.metrics import acceptance_one, assistant_spans, leading_correct
 from eagle3.ttt import score_steps, shift_left, soft_cross_entropy, step_weights

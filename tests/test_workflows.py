@@ -1,4 +1,5 @@
 """The stages end to end on the tiny target: outputs, reuse, resume, and config refusals."""
+
 from __future__ import annotations
 
 import json
@@ -25,11 +26,23 @@ FP32 = ("data.dtype=float32", "capture.dtype=float32", "train.capture_dtype=floa
 
 def tiny_cfg(tiny_target, run_dir, *extra):
     return compose_cfg(
-        "target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={run_dir}", "mixture=bundled",
-        "data.limit=16", "data.max_new_tokens=24", "data.heldout_fraction=0.25",
-        "train.steps=12", "train.checkpoint_every=4", "train.log_every=4", "train.batch_size=4",
+        "target=tiny",
+        f"cache_dir={tiny_target.parent.parent}",
+        f"run_dir={run_dir}",
+        "mixture=bundled",
+        "data.limit=16",
+        "data.max_new_tokens=24",
+        "data.heldout_fraction=0.25",
+        "train.steps=12",
+        "train.checkpoint_every=4",
+        "train.log_every=4",
+        "train.batch_size=4",
         # The served check (engine starts) only where it is the subject: tests/test_evaluate.py.
-        "train.optim.lr=3e-3", "train.compute_dtype=float32", "evaluate.served=none", *FP32, *extra,
+        "train.optim.lr=3e-3",
+        "train.compute_dtype=float32",
+        "evaluate.served=none",
+        *FP32,
+        *extra,
     )
 
 
@@ -50,32 +63,38 @@ def test_auto_draft_vocab_size():
     assert auto_draft_vocab_size(1024, 3) == 256
 
 
-@pytest.mark.parametrize("override, message", [
-    ("target.capture_layer_ids=[1,2,6]", r"target.capture_layer_ids\[2\]=6 is out of range for a 6-layer target"),
-    ("+train.ttt.lenght=3", r"train.ttt: unknown key\(s\) \['lenght'\]"),  # `+` forces it past Hydra
-    ("train.acceptance_k=9", "train.acceptance_k=9 exceeds train.ttt.length=7"),
-    ("stages=[train,serve]", r"unknown stage\(s\) \['serve'\]"),
-    ("train.ttt.decay=1.5", r"train.ttt.decay=1.5 is out of range: it must be in \(0,1\]"),
-    ("target.num_layers=0", "target.num_layers must be positive"),
-    ("train.log_every=0", "train.log_every=0 is out of range: it must be >= 1"),
-    ("train.optim.grad_clip=0", "train.optim.grad_clip=0.0 is out of range: it must be > 0"),
-    ("data.heldout_fraction=1", r"data.heldout_fraction=1.0 is out of range: it must be in \[0,1\)"),
-    ("capture.actors=0", "capture.actors=0 is out of range"),
-    ("cluster.dashboard_port=70000", "cluster.dashboard_port=70000 is out of range"),
-    ("evaluate.length_buckets=[64,32]", "evaluate.length_buckets=.* must be a non-empty ascending list"),
-    ("data.backend=vllm", r"data.backend='vllm' is not one of \['hf', 'sglang'\]"),
-    ("draft.draft_vocab_size=2048", "draft.draft_vocab_size=2048 exceeds the target's vocab_size=1024"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("target.capture_layer_ids=[1,2,6]", r"target.capture_layer_ids\[2\]=6 is out of range for a 6-layer target"),
+        ("+train.ttt.lenght=3", r"train.ttt: unknown key\(s\) \['lenght'\]"),  # `+` forces it past Hydra
+        ("train.acceptance_k=9", "train.acceptance_k=9 exceeds train.ttt.length=7"),
+        ("stages=[train,serve]", r"unknown stage\(s\) \['serve'\]"),
+        ("train.ttt.decay=1.5", r"train.ttt.decay=1.5 is out of range: it must be in \(0,1\]"),
+        ("target.num_layers=0", "target.num_layers must be positive"),
+        ("train.log_every=0", "train.log_every=0 is out of range: it must be >= 1"),
+        ("train.optim.grad_clip=0", "train.optim.grad_clip=0.0 is out of range: it must be > 0"),
+        ("data.heldout_fraction=1", r"data.heldout_fraction=1.0 is out of range: it must be in \[0,1\)"),
+        ("capture.actors=0", "capture.actors=0 is out of range"),
+        ("cluster.dashboard_port=70000", "cluster.dashboard_port=70000 is out of range"),
+        ("evaluate.length_buckets=[64,32]", "evaluate.length_buckets=.* must be a non-empty ascending list"),
+        ("data.backend=vllm", r"data.backend='vllm' is not one of \['hf', 'sglang'\]"),
+        ("draft.draft_vocab_size=2048", "draft.draft_vocab_size=2048 exceeds the target's vocab_size=1024"),
+    ],
+)
 def test_bad_config_is_refused_naming_the_field(override, message):
     with pytest.raises(ConfigError, match=message):
         compose_cfg("target=tiny", override)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.ttt.lenght=3", "train.ttt.lenght"),  # a typo: Hydra refuses keys the schema lacks
-    ("train.ttt_length=3", "train.ttt_length"),
-    ("train.steps=many", "train.steps"),  # a wrong type, refused while composing
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.ttt.lenght=3", "train.ttt.lenght"),  # a typo: Hydra refuses keys the schema lacks
+        ("train.ttt_length=3", "train.ttt_length"),
+        ("train.steps=many", "train.steps"),  # a wrong type, refused while composing
+    ],
+)
 def test_hydra_refuses_unknown_keys_and_wrong_types(override, message):
     with pytest.raises(ConfigCompositionException, match=message):
         compose_cfg("target=tiny", override)
@@ -111,8 +130,15 @@ def test_pipeline_runs_and_reuses(tiny_target, tmp_path, monkeypatch):
     assert metrics["acceptance_walk"] >= 1.0
     draft_dir = out["train"] / "draft"
     weights = load_file(str(draft_dir / "draft.safetensors"))
-    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight", "norm.weight",
-            "lm_head.weight", "d2t", "t2d"} <= set(weights)
+    assert {
+        "fc.weight",
+        "midlayer.self_attn.q_proj.weight",
+        "midlayer.hidden_norm.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+    } <= set(weights)
     assert "embed_tokens.weight" not in weights  # the target's, not copied
     prov = json.loads((draft_dir / "provenance.json").read_text())
     assert prov["capture_layer_ids"] == [0, 2, 4] and prov["layer_id_convention"] == "output_of_layer"
@@ -133,13 +159,26 @@ def test_pipeline_runs_and_reuses(tiny_target, tmp_path, monkeypatch):
 def test_tiny_draft_learns_within_a_minute(tiny_target, tmp_path):
     """The foundation's promise: a minute of training on the tiny target lifts acceptance."""
     cfg = compose_cfg(
-        "target=tiny", f"cache_dir={tiny_target.parent.parent}", f"run_dir={tmp_path}", "mixture=bundled",
+        "target=tiny",
+        f"cache_dir={tiny_target.parent.parent}",
+        f"run_dir={tmp_path}",
+        "mixture=bundled",
         # Pinned, not the laptop defaults (which size `make run`): 48 conversations, 4 per step.
         # 250 steps: at 150 the walk was 1.31+ on one 2-core EPYC and 1.289 on another (other
         # kernels, other rounding, another trajectory); at 250 it is 1.48 on the second.
-        "data.limit=48", "data.max_new_tokens=64", "train.steps=250", "train.batch_size=4",
-        "train.optim.lr=3e-3", "train.optim.warmup_steps=20", "train.compute_dtype=float32", *FP32,
-        "train.ttt.noise.std=0.01", "train.log_every=50", "tracking.wandb=true", "tracking.mode=offline", *SECRETS,
+        "data.limit=48",
+        "data.max_new_tokens=64",
+        "train.steps=250",
+        "train.batch_size=4",
+        "train.optim.lr=3e-3",
+        "train.optim.warmup_steps=20",
+        "train.compute_dtype=float32",
+        *FP32,
+        "train.ttt.noise.std=0.01",
+        "train.log_every=50",
+        "tracking.wandb=true",
+        "tracking.mode=offline",
+        *SECRETS,
         "train.backend=local",  # the plain loop; Ray Train + DeepSpeed: test_pipeline_runs_and_reuses
         "stages=[target,generate,capture,vocab,train]",  # export and evaluate: tests/test_evaluate.py
     )

@@ -15,6 +15,7 @@ doctor runs before anything is written.
 
     python -m workflows.export target=tiny run_dir=runs/tiny
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -90,8 +91,10 @@ def export_sglang(draft_dir: Path, out: Path, dtype: str = "bfloat16") -> Path:
     draft_cfg = load_draft_config(draft_dir)
     provenance = load_provenance(draft_dir)
     if list(provenance["capture_layer_ids"]) != list(draft_cfg.capture_layer_ids):
-        raise ValueError(f"{draft_dir}: provenance.json capture_layer_ids={provenance['capture_layer_ids']} "
-                         f"but draft_config.json capture_layer_ids={draft_cfg.capture_layer_ids}")
+        raise ValueError(
+            f"{draft_dir}: provenance.json capture_layer_ids={provenance['capture_layer_ids']} "
+            f"but draft_config.json capture_layer_ids={draft_cfg.capture_layer_ids}"
+        )
     weights = load_file(str(draft_dir / DRAFT_WEIGHTS))
     torch_dtype = getattr(torch, dtype)
     # Floating weights in the serving dtype; d2t (int64) and t2d (bool) stay as they are.
@@ -119,9 +122,13 @@ def export_vllm(sglang_dir: Path, out: Path, target_path: Path, capture_ids: lis
     from speculators.convert.eagle.eagle3_converter import Eagle3Converter
 
     with atomic_dir(out) as tmp:
-        Eagle3Converter().convert(input_path=sglang_dir, output_path=tmp, base_model=str(target_path),
-                                  validate=True,
-                                  eagle_aux_hidden_state_layer_ids=to_vllm_aux_layer_ids(capture_ids))
+        Eagle3Converter().convert(
+            input_path=sglang_dir,
+            output_path=tmp,
+            base_model=str(target_path),
+            validate=True,
+            eagle_aux_hidden_state_layer_ids=to_vllm_aux_layer_ids(capture_ids),
+        )
         write_json_atomic(tmp / "provenance.json", load_provenance(sglang_dir))
     return out
 
@@ -129,16 +136,21 @@ def export_vllm(sglang_dir: Path, out: Path, target_path: Path, capture_ids: lis
 def run(cfg: FullConfig, target_path: Path) -> Path:
     layout = RunLayout.of(cfg)
     out = layout.stage_dir("export")
-    key = {"target": identity_for(cfg, target_path), "dtype": cfg.target.dtype, "format": EXPORT_FORMAT,
-           **layout.chain("train")}
+    key = {
+        "target": identity_for(cfg, target_path),
+        "dtype": cfg.target.dtype,
+        "format": EXPORT_FORMAT,
+        **layout.chain("train"),
+    }
     if stage_is_done(out, key):
         log(f"export: reusing {out}")
         return out
     clear_done(out)
     draft_dir = layout.require_draft()
     # SGLang must capture what the draft was trained on (no id N-1; its per-family id rule).
-    check_sglang_servable(cfg.target.capture_ids, cfg.target.num_layers, cfg.target.model_type,
-                          "target.capture_layer_ids")
+    check_sglang_servable(
+        cfg.target.capture_ids, cfg.target.num_layers, cfg.target.model_type, "target.capture_layer_ids"
+    )
     # The doctor first: never export a draft whose wiring contradicts the target.
     wiring.raise_on_errors(wiring.check(wiring.sides_for_run(cfg, target_path, with_export=False)))
     export_sglang(draft_dir, layout.sglang_export, cfg.target.dtype)
@@ -147,8 +159,7 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         export_vllm(layout.sglang_export, layout.vllm_export, target_path, cfg.target.capture_ids)
         formats.append("vllm")
     else:
-        log("export: the `speculators` package is not installed; vLLM export skipped "
-            "(pip install -e .[vllm])")
+        log("export: the `speculators` package is not installed; vLLM export skipped (pip install -e .[vllm])")
     wiring.raise_on_errors(wiring.check(wiring.sides_for_run(cfg, target_path, with_export=True)))
     # The train key this export was made from: evaluate scores the export only when it
     # belongs to the draft the train stage holds now.

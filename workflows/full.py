@@ -13,6 +13,7 @@ With `shared_dir` (on under multirun and W&B sweeps) the corpus, store and vocab
 shared between runs (see workflows.core.layout): each shared stage runs under its lock,
 so a job that needs one another job is building waits, then reuses it.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,14 @@ from workflows.core.targets import prepare_for
 from workflows.generate.stage import run as generate
 from workflows.train.stage import run as train
 
-STAGE_RUNS = {"generate": generate, "capture": capture, "vocab": vocab.run, "train": train,
-              "export": export.run, "evaluate": evaluate.run}
+STAGE_RUNS = {
+    "generate": generate,
+    "capture": capture,
+    "vocab": vocab.run,
+    "train": train,
+    "export": export.run,
+    "evaluate": evaluate.run,
+}
 
 
 def run(cfg: FullConfig) -> dict:
@@ -64,8 +71,10 @@ def why_not_lossless(report: dict) -> str:
     if not found:
         return ""
     ties = sum(d["kind"] == "numerical tie" for d in found)
-    return (f" ({ties} of {len(found)} divergent prompts numerical ties in {found[0]['dtype']}, "
-            f"{len(found) - ties} defects: see the report)")
+    return (
+        f" ({ties} of {len(found)} divergent prompts numerical ties in {found[0]['dtype']}, "
+        f"{len(found) - ties} defects: see the report)"
+    )
 
 
 def headline(cfg: FullConfig) -> list[str]:

@@ -3,6 +3,7 @@
 Writes `<run_dir>/vocab/vocab.safetensors` (d2t int64, t2d bool) and `vocab.json`
 (sizes, coverage of the counted tokens, ids filled for lack of data).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,8 +38,11 @@ def run(cfg: FullConfig, target_path: Path | None = None) -> Path:
     layout = RunLayout.of(cfg)
     out = layout.stage_dir("vocab")
     samples = [r for r in layout.read_corpus() if r["split"] == "train"]
-    key = {"draft_vocab_size": cfg.draft.draft_vocab_size, "vocab_size": cfg.target.vocab_size,
-           **layout.chain("generate")}
+    key = {
+        "draft_vocab_size": cfg.draft.draft_vocab_size,
+        "vocab_size": cfg.target.vocab_size,
+        **layout.chain("generate"),
+    }
     if stage_is_done(out, key):
         log(f"vocab: reusing {out}")
         return out
@@ -47,10 +51,13 @@ def run(cfg: FullConfig, target_path: Path | None = None) -> Path:
     size = cfg.draft.draft_vocab_size or auto_draft_vocab_size(cfg.target.vocab_size, distinct)
     vocab = build_draft_vocab(counts, size, warn=lambda m: log(f"vocab: {m}"))
     summary = {
-        "draft_vocab_size": size, "chosen": "config" if cfg.draft.draft_vocab_size else "auto",
+        "draft_vocab_size": size,
+        "chosen": "config" if cfg.draft.draft_vocab_size else "auto",
         "target_vocab_size": cfg.target.vocab_size,
-        "distinct_tokens_seen": distinct, "counted_tokens": int(counts.sum()),
-        "covered_fraction": vocab.covered_fraction, "filled": vocab.filled,
+        "distinct_tokens_seen": distinct,
+        "counted_tokens": int(counts.sum()),
+        "covered_fraction": vocab.covered_fraction,
+        "filled": vocab.filled,
     }
     with atomic_dir(out) as tmp:
         save_file({"d2t": vocab.d2t, "t2d": vocab.t2d}, str(tmp / "vocab.safetensors"))

@@ -1,4 +1,5 @@
 """python -m workflows.capture [overrides]: the capture stage alone (with capture.estimate_only, its size)."""
+
 from workflows.capture.stage import capture_main
 from workflows.core.cli import hydra_entry
 

@@ -5,6 +5,7 @@ the same shards); `plan_corpus` streams the refs into `capture/plan.parquet` one
 file at a time, so that the driver never holds per-sample data; `select_plans` cuts out the
 shards still to do, as the Parquet file Ray Data reads.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -37,12 +38,17 @@ class CorpusSamples:
             ids, splits, tokens = t["id"].to_pylist(), t["split"].to_pylist(), t["input_ids"].to_pylist()
             mask_lengths = pc.list_value_length(t["loss_mask"]).to_pylist()
             for r in range(t.num_rows):
-                yield {"id": ids[r], "split": splits[r], "input_ids": tokens[r], "loss_mask_len": mask_lengths[r],
-                       "file": f, "row": r}
+                yield {
+                    "id": ids[r],
+                    "split": splits[r],
+                    "input_ids": tokens[r],
+                    "loss_mask_len": mask_lengths[r],
+                    "file": f,
+                    "row": r,
+                }
 
 
-def plan_shards(samples, shard_samples: int, emit: Callable[[ShardRef], None] | None = None
-                ) -> tuple[list, dict, str]:
+def plan_shards(samples, shard_samples: int, emit: Callable[[ShardRef], None] | None = None) -> tuple[list, dict, str]:
     """Fixed groups of `shard_samples` samples of one split, in corpus order; names carry
     their ids' hash. `samples` is iterated once per split (a list, or CorpusSamples: one
     file in memory at a time). Returns (plans, skipped counts, corpus hash); with `emit`,
@@ -60,9 +66,13 @@ def plan_shards(samples, shard_samples: int, emit: Callable[[ShardRef], None] | 
         def flush():
             nonlocal index
             ids = [str(r["id"]) for r in group]
-            ref = ShardRef(name=f"{split}-{index:06d}-{sample_ids_hash(ids)[:8]}", sample_ids=ids,
-                           files=[r["file"] for r in group], rows=[r["row"] for r in group],
-                           n_tokens=sum(r["n"] for r in group))
+            ref = ShardRef(
+                name=f"{split}-{index:06d}-{sample_ids_hash(ids)[:8]}",
+                sample_ids=ids,
+                files=[r["file"] for r in group],
+                rows=[r["row"] for r in group],
+                n_tokens=sum(r["n"] for r in group),
+            )
             if emit is None:
                 plans.append(ref)
             else:
@@ -75,8 +85,10 @@ def plan_shards(samples, shard_samples: int, emit: Callable[[ShardRef], None] | 
             n_mask = r["loss_mask_len"] if "loss_mask_len" in r else len(r["loss_mask"])
             if split == SPLITS[0]:  # checked and counted on the first pass only
                 if len(r["input_ids"]) != n_mask:
-                    raise InputError(f"corpus row {k} (id {r['id']!r}): field input_ids has {len(r['input_ids'])} "
-                                     f"tokens but loss_mask {n_mask}")
+                    raise InputError(
+                        f"corpus row {k} (id {r['id']!r}): field input_ids has {len(r['input_ids'])} "
+                        f"tokens but loss_mask {n_mask}"
+                    )
                 skipped["empty_sample"] += not r["input_ids"]
             if not r["input_ids"] or r.get("split", "train") != split:
                 continue
@@ -89,15 +101,24 @@ def plan_shards(samples, shard_samples: int, emit: Callable[[ShardRef], None] | 
     return plans, skipped, h.hexdigest()[:16]
 
 
-PLAN_SCHEMA = (("name", "string"), ("sample_ids", "list<string>"), ("files", "list<int64>"),
-               ("rows", "list<int64>"), ("n_tokens", "int64"))
+PLAN_SCHEMA = (
+    ("name", "string"),
+    ("sample_ids", "list<string>"),
+    ("files", "list<int64>"),
+    ("rows", "list<int64>"),
+    ("n_tokens", "int64"),
+)
 
 
 def _plan_schema():
     import pyarrow as pa
 
-    kinds = {"string": pa.string(), "int64": pa.int64(), "list<string>": pa.list_(pa.string()),
-             "list<int64>": pa.list_(pa.int64())}
+    kinds = {
+        "string": pa.string(),
+        "int64": pa.int64(),
+        "list<string>": pa.list_(pa.string()),
+        "list<int64>": pa.list_(pa.int64()),
+    }
     return pa.schema([(name, kinds[kind]) for name, kind in PLAN_SCHEMA])
 
 

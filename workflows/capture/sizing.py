@@ -1,5 +1,6 @@
 """What a capture will cost before it runs: store bytes, free space, and a projection of
 shards, driver memory and wall time (`capture.estimate_only`, and the check before a run)."""
+
 from __future__ import annotations
 
 import json
@@ -24,10 +25,17 @@ def bytes_per_token(n_aux: int, hidden_size: int) -> int:
 def estimate(cfg: FullConfig, tokens: int) -> dict:
     n_aux, h = len(cfg.target.capture_ids), cfg.target.hidden_size
     per_token = bytes_per_token(n_aux, h)
-    return {"target": cfg.target.name, "num_layers": cfg.target.num_layers, "hidden_size": h,
-            "capture_layer_ids": cfg.target.capture_ids, "states_per_token": f"{n_aux} aux + final",
-            "bytes_per_token": per_token, "tokens": tokens, "projected_bytes": per_token * tokens,
-            "projected": f"{human_bytes(per_token * tokens)} ({per_token * tokens / 2**40:.3g} TiB)"}
+    return {
+        "target": cfg.target.name,
+        "num_layers": cfg.target.num_layers,
+        "hidden_size": h,
+        "capture_layer_ids": cfg.target.capture_ids,
+        "states_per_token": f"{n_aux} aux + final",
+        "bytes_per_token": per_token,
+        "tokens": tokens,
+        "projected_bytes": per_token * tokens,
+        "projected": f"{human_bytes(per_token * tokens)} ({per_token * tokens / 2**40:.3g} TiB)",
+    }
 
 
 def human_bytes(n: float) -> str:
@@ -104,9 +112,9 @@ def projection(cfg: FullConfig, tokens: int, corpus: dict | None, measured_tps: 
         "manifest_bytes": shards * MANIFEST_ROW_BYTES,
         "driver_bytes": shards * DRIVER_BYTES_PER_SHARD + int(d.shard_size * per_sample * PY_BYTES_PER_TOKEN),
         "capture_tokens_per_s_per_actor": capture_tps,
-        "capture_tokens_per_s_from": "config" if c.estimate_capture_tokens_per_s else
-                                     ("capture/summary.json" if measured_tps else "unknown: set "
-                                      "capture.estimate_capture_tokens_per_s"),
+        "capture_tokens_per_s_from": "config"
+        if c.estimate_capture_tokens_per_s
+        else ("capture/summary.json" if measured_tps else "unknown: set capture.estimate_capture_tokens_per_s"),
         "capture_hours": hours(tokens, capture_tps, c.actors),
         "generate_answer_tokens": int(tokens * answer_fraction),
         "answer_fraction_from": "corpus" if corpus else "none (every token counted as generated: an upper bound)",

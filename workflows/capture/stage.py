@@ -17,6 +17,7 @@ shards whose writer finished but were never committed, and rewrites half-written
 ones. The store is then verified; the stage is marked done only when `verify` is clean.
 Output: the store (`capture.store`, default `<run_dir>/store`) and `<run_dir>/capture/`.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,12 +54,19 @@ from workflows.core.stage_metrics import StageMetrics
 from workflows.core.targets import check_checkpoint, prepare_for
 
 
-
 class CaptureActor:
     """One capture engine in a Ray actor: each call captures and writes whole shards."""
 
-    def __init__(self, store_url: str, storage_options: dict, backend: str, engine: dict, chunk_bytes: int,
-                 compression: str, corpus_folder: str):
+    def __init__(
+        self,
+        store_url: str,
+        storage_options: dict,
+        backend: str,
+        engine: dict,
+        chunk_bytes: int,
+        compression: str,
+        corpus_folder: str,
+    ):
         self.engine = engine_class(backend)(EngineSpec(**engine))
         self.store = HiddenStateStore.open(store_url, storage_options)
         self.corpus = CorpusFiles(corpus_folder)
@@ -72,8 +80,9 @@ class CaptureActor:
         refs = [ShardRef(**r) for r in batch.to_pylist()]
         # A failing shard is retried once here, then returned as an error record: the pool
         # keeps going and the driver reports it at the end. (A dead actor is Ray's to restart.)
-        rows = capture_and_write(self.engine, self.store, refs, self.chunk_bytes, self.compression,
-                                 retries=1, load=self.corpus.load)
+        rows = capture_and_write(
+            self.engine, self.store, refs, self.chunk_bytes, self.compression, retries=1, load=self.corpus.load
+        )
         for r in rows:
             r["actor"] = self.name
             # How this actor's engine works, for the summary: engines started (SGLang: one per
@@ -99,9 +108,11 @@ def _metrics():
     try:
         from ray.util.metrics import Counter, Gauge
 
-        return {"tokens": Counter("eagle3_capture_tokens", "tokens captured", tag_keys=("actor",)),
-                "bytes": Counter("eagle3_capture_bytes", "bytes written to the store", tag_keys=("actor",)),
-                "tps": Gauge("eagle3_capture_tokens_per_s", "tokens/s of the last shard", tag_keys=("actor",))}
+        return {
+            "tokens": Counter("eagle3_capture_tokens", "tokens captured", tag_keys=("actor",)),
+            "bytes": Counter("eagle3_capture_bytes", "bytes written to the store", tag_keys=("actor",)),
+            "tps": Gauge("eagle3_capture_tokens_per_s", "tokens/s of the last shard", tag_keys=("actor",)),
+        }
     except Exception:  # metrics are a convenience, never a reason to fail a capture
         return None
 
@@ -119,8 +130,9 @@ class Results:
             self.failed.append({"shard": row["shard"], "actor": row["actor"], "error": row["error"]})
             return
         self.new += 1
-        a = self.per_actor.setdefault(row["actor"], {"shards": 0, "tokens": 0, "bytes": 0, "compute_s": 0.0,
-                                                     "write_s": 0.0})
+        a = self.per_actor.setdefault(
+            row["actor"], {"shards": 0, "tokens": 0, "bytes": 0, "compute_s": 0.0, "write_s": 0.0}
+        )
         a["shards"] += 1
         a["tokens"] += int(row["n_tokens"])
         a["bytes"] += int(row["nbytes"])
@@ -130,8 +142,10 @@ class Results:
         a["final_state"] = row.get("final_state", "forward")
 
     def per_actor_summary(self) -> dict[str, dict]:
-        return {name: {**a, "tokens_per_s": round(a["tokens"] / max(a["compute_s"], 1e-9), 1)}
-                for name, a in self.per_actor.items()}
+        return {
+            name: {**a, "tokens_per_s": round(a["tokens"] / max(a["compute_s"], 1e-9), 1)}
+            for name, a in self.per_actor.items()
+        }
 
 
 def run(cfg: FullConfig, target_path: Path) -> Path:
@@ -149,8 +163,12 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     prov = store_provenance(cfg, identity_for(cfg, target_path), plan, engine_class(c.backend).version())
     # The provenance records the whole capture config; the key holds its output settings
     # only (eagle3.schema.NOT_OUTPUT: a raised timeout or more actors reuse the store).
-    key = {**{k: v for k, v in prov.items() if k not in ("code_version", "config")}, "config": output_dict(c),
-           "store": url, **layout.chain("generate")}
+    key = {
+        **{k: v for k, v in prov.items() if k not in ("code_version", "config")},
+        "config": output_dict(c),
+        "store": url,
+        **layout.chain("generate"),
+    }
     if stage_is_done(out, key):
         log(f"capture: reusing {url}")
         return out
@@ -166,8 +184,10 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         store.remove_shard(name)  # half-written leftovers of a killed writer
     size = estimate(cfg, sum(n for _, n in pending))
     space = check_space(url, size["projected_bytes"], c.ignore_space)
-    log(f"capture: {len(plans)} shards ({len(committed)} committed, {len(adopted)} adopted, {len(pending)} to "
-        f"do), {size['bytes_per_token']} B/token, {size['projected']} to write, skipped {skipped}")
+    log(
+        f"capture: {len(plans)} shards ({len(committed)} committed, {len(adopted)} adopted, {len(pending)} to "
+        f"do), {size['bytes_per_token']} B/token, {size['projected']} to write, skipped {skipped}"
+    )
     started, result = time.perf_counter(), Results()
     if pending:
         todo = select_plans(plan_file, {name for name, _ in pending}, out / "pending.parquet")
@@ -175,31 +195,46 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     store.compact()  # fold the per-shard commit log into manifest.parquet, once
     per_actor = result.per_actor_summary()
     result.failed.sort(key=lambda f: f["shard"])
-    summary = {**store.summary(), "store": url, "skipped": skipped, "new_shards": result.new,
-               "adopted_shards": len(adopted), "seconds": round(time.perf_counter() - started, 2),
-               "per_actor": per_actor, "space": space, "failed_shards": result.failed,
-               "bytes_per_token": size["bytes_per_token"]}
+    summary = {
+        **store.summary(),
+        "store": url,
+        "skipped": skipped,
+        "new_shards": result.new,
+        "adopted_shards": len(adopted),
+        "seconds": round(time.perf_counter() - started, 2),
+        "per_actor": per_actor,
+        "space": space,
+        "failed_shards": result.failed,
+        "bytes_per_token": size["bytes_per_token"],
+    }
     if result.failed:  # the other shards are committed; a rerun retries only these
         write_json_atomic(out / "summary.json", {**summary, "verify_ok": None})
         names = [f["shard"] for f in result.failed]
-        raise StageFailure(f"capture: {len(names)} shard(s) failed twice: {shown(names)}; first error: "
-                           f"{result.failed[0]['error']}; the others are committed: fix the cause (free space, "
-                           f"a dead node) and rerun, which captures only these; details in {out / 'summary.json'}")
+        raise StageFailure(
+            f"capture: {len(names)} shard(s) failed twice: {shown(names)}; first error: "
+            f"{result.failed[0]['error']}; the others are committed: fix the cause (free space, "
+            f"a dead node) and rerun, which captures only these; details in {out / 'summary.json'}"
+        )
     report = verify(url, c.storage_options)
     summary["verify_ok"] = report["ok"]
     write_json_atomic(out / "summary.json", {**summary, "verify": report})
     if not report["ok"]:
-        raise StageFailure(f"capture: verify found {len(report['problems'])} problem(s), first: "
-                           f"{report['problems'][0]}; see {out / 'summary.json'}; `python -m storage.verify "
-                           f"{url}` lists them, and a rerun with capture.store moved away captures afresh")
+        raise StageFailure(
+            f"capture: verify found {len(report['problems'])} problem(s), first: "
+            f"{report['problems'][0]}; see {out / 'summary.json'}; `python -m storage.verify "
+            f"{url}` lists them, and a rerun with capture.store moved away captures afresh"
+        )
     mark_done(out, key, summary)
-    log(f"capture: {summary['samples']} samples, {summary['tokens']} tokens in {summary['shards']} shards; "
-        f"per actor {per_actor}; verify clean")
+    log(
+        f"capture: {summary['samples']} samples, {summary['tokens']} tokens in {summary['shards']} shards; "
+        f"per actor {per_actor}; verify clean"
+    )
     return out
 
 
-def _capture_with_ray(cfg: FullConfig, target_path, store: HiddenStateStore, todo: Path, tokens: int,
-                      tqdm) -> "Results":
+def _capture_with_ray(
+    cfg: FullConfig, target_path, store: HiddenStateStore, todo: Path, tokens: int, tqdm
+) -> "Results":
     """Ray Data reads the shard refs from `todo` (no token crosses the object store from the
     driver); actors read the samples, capture and write; the driver commits each returned row."""
     import ray
@@ -213,35 +248,68 @@ def _capture_with_ray(cfg: FullConfig, target_path, store: HiddenStateStore, tod
     calls = math.ceil(pq.ParquetFile(todo).metadata.num_rows / c.shards_per_call)
     ds = ray.data.read_parquet(str(todo)).repartition(max(1, calls))
     # One engine per actor, on the GPUs Ray gave it (an SGLang actor is one TP group).
-    engine = {"target_path": str(target_path), "layer_ids": cfg.target.capture_ids, "dtype": engine_dtype(cfg),
-              "micro_batch_tokens": c.micro_batch_tokens, "trust_remote_code": cfg.target.trust_remote_code,
-              "threads": max(1, int(c.cpus_per_actor)), "device": "cuda" if c.gpus_per_actor else "cpu",
-              "tp_size": cfg.target.tp_size if c.backend == "sglang" else 1, "seed": cfg.seed,
-              "final_state": c.final_state, "timeout_s": c.engine_timeout_s,
-              # SGLang sizes its own KV pool on GPUs (the 4096-token CPU default would refuse long samples).
-              "max_total_tokens": None if c.gpus_per_actor else 4096}
+    engine = {
+        "target_path": str(target_path),
+        "layer_ids": cfg.target.capture_ids,
+        "dtype": engine_dtype(cfg),
+        "micro_batch_tokens": c.micro_batch_tokens,
+        "trust_remote_code": cfg.target.trust_remote_code,
+        "threads": max(1, int(c.cpus_per_actor)),
+        "device": "cuda" if c.gpus_per_actor else "cpu",
+        "tp_size": cfg.target.tp_size if c.backend == "sglang" else 1,
+        "seed": cfg.seed,
+        "final_state": c.final_state,
+        "timeout_s": c.engine_timeout_s,
+        # SGLang sizes its own KV pool on GPUs (the 4096-token CPU default would refuse long samples).
+        "max_total_tokens": None if c.gpus_per_actor else 4096,
+    }
     with warnings.catch_warnings():
         # Ray 2.60 has named parameters for resources but none yet for actor restarts: bounded
         # restarts still go through **ray_remote_args, whose deprecation warning says only that.
         warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
         results = ds.map_batches(
-            CaptureActor, batch_size=c.shards_per_call, batch_format="pyarrow",
-            fn_constructor_kwargs={"store_url": store.url, "storage_options": store.storage_options,
-                                   "backend": c.backend, "engine": engine, "chunk_bytes": int(c.chunk_mb * (1 << 20)),
-                                   "compression": c.compression, "corpus_folder": str(RunLayout.of(cfg).corpus_shards)},
-            compute=ray.data.ActorPoolStrategy(size=c.actors), num_cpus=c.cpus_per_actor,
+            CaptureActor,
+            batch_size=c.shards_per_call,
+            batch_format="pyarrow",
+            fn_constructor_kwargs={
+                "store_url": store.url,
+                "storage_options": store.storage_options,
+                "backend": c.backend,
+                "engine": engine,
+                "chunk_bytes": int(c.chunk_mb * (1 << 20)),
+                "compression": c.compression,
+                "corpus_folder": str(RunLayout.of(cfg).corpus_shards),
+            },
+            compute=ray.data.ActorPoolStrategy(size=c.actors),
+            num_cpus=c.cpus_per_actor,
             num_gpus=c.gpus_per_actor or None,
             # A killed actor (OOM, preempted node) is restarted and its batch re-run; bounded, so a
             # shard that kills every actor it meets ends the stage instead of looping.
-            max_restarts=c.max_actor_restarts, max_task_retries=c.max_actor_restarts)
+            max_restarts=c.max_actor_restarts,
+            max_task_retries=c.max_actor_restarts,
+        )
     result = Results()
     bar = tqdm(total=tokens, desc="capture", unit="tok")
     metrics = StageMetrics("capture", "tokens", total=tokens)  # Ray metrics: tokens done, tokens/s
     for row in results.iter_rows():
         row = {k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()}
         if not row["error"]:
-            store.commit([{k: row[k] for k in ("shard", "n_samples", "n_tokens", "nbytes", "sample_ids_sha256",
-                                               "writer", "write_seconds")}])
+            store.commit(
+                [
+                    {
+                        k: row[k]
+                        for k in (
+                            "shard",
+                            "n_samples",
+                            "n_tokens",
+                            "nbytes",
+                            "sample_ids_sha256",
+                            "writer",
+                            "write_seconds",
+                        )
+                    }
+                ]
+            )
         result.add(row)
         bar.update(int(row["n_tokens"]))
         metrics.advance(int(row["n_tokens"]))
@@ -265,4 +333,3 @@ def capture_main(cfg: FullConfig) -> None:
     size["space"] = check_space(layout.store_url, size["projected_bytes"], ignore=True)
     size["projection"] = projection(cfg, tokens, corpus, measured_capture_tokens_per_s(layout))
     print(json.dumps(size, indent=2))
-

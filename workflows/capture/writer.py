@@ -5,6 +5,7 @@ An engine (workflows.core.engines) turns token sequences into per-sample states
 background thread while the engine computes the next one: writing overlaps compute, and
 every write has finished when it returns (nothing is left for actor teardown to flush).
 """
+
 from __future__ import annotations
 
 import time
@@ -57,8 +58,9 @@ class CorpusFiles:
         if index not in self.cache:
             if len(self.cache) >= self.keep:
                 self.cache.pop(next(iter(self.cache)))
-            self.cache[index] = pq.read_table(self.folder / f"{index:05d}.parquet",
-                                              columns=["id", "input_ids", "loss_mask"])
+            self.cache[index] = pq.read_table(
+                self.folder / f"{index:05d}.parquet", columns=["id", "input_ids", "loss_mask"]
+            )
         return self.cache[index]
 
     def load(self, ref: ShardRef) -> ShardPlan:
@@ -66,8 +68,9 @@ class CorpusFiles:
         for sid, f, r in zip(ref.sample_ids, ref.files, ref.rows):
             t = self.table(f)
             if t["id"][r].as_py() != sid:  # the corpus changed under the plan: never capture the wrong sample
-                raise ValueError(f"shard {ref.name}: generate shard {f} row {r} is {t['id'][r].as_py()!r}, "
-                                 f"the plan says {sid!r}")
+                raise ValueError(
+                    f"shard {ref.name}: generate shard {f} row {r} is {t['id'][r].as_py()!r}, the plan says {sid!r}"
+                )
             input_ids.append(t["input_ids"][r].as_py())
             loss_mask.append(t["loss_mask"][r].as_py())
         return ShardPlan(ref.name, list(ref.sample_ids), input_ids, loss_mask)
@@ -89,13 +92,28 @@ def shard_data(plan: ShardPlan, states) -> ShardData:
 
 def failed_row(name: str, exc: BaseException) -> dict:
     """The record an actor returns for a shard it could not capture (nothing committed)."""
-    return {"shard": name, "n_samples": 0, "n_tokens": 0, "nbytes": 0, "sample_ids_sha256": "", "writer": "",
-            "write_seconds": 0.0, "compute_seconds": 0.0, "error": f"{type(exc).__name__}: {exc}"}
+    return {
+        "shard": name,
+        "n_samples": 0,
+        "n_tokens": 0,
+        "nbytes": 0,
+        "sample_ids_sha256": "",
+        "writer": "",
+        "write_seconds": 0.0,
+        "compute_seconds": 0.0,
+        "error": f"{type(exc).__name__}: {exc}",
+    }
 
 
-def capture_and_write(engine, store: HiddenStateStore, plans: Sequence, chunk_bytes: int,
-                      compression: str = "none", retries: int | None = None,
-                      load: Callable[[object], ShardPlan] | None = None) -> list[dict]:
+def capture_and_write(
+    engine,
+    store: HiddenStateStore,
+    plans: Sequence,
+    chunk_bytes: int,
+    compression: str = "none",
+    retries: int | None = None,
+    load: Callable[[object], ShardPlan] | None = None,
+) -> list[dict]:
     """Capture and write whole shards; shard k is written while shard k+1 is computed.
 
     `load` turns a plan into a ShardPlan (e.g. a ShardRef read from the corpus; default: the
@@ -112,8 +130,10 @@ def capture_and_write(engine, store: HiddenStateStore, plans: Sequence, chunk_by
             shard = load(plan)
             started = time.perf_counter()
             data = shard_data(shard, engine.states(shard.input_ids))
-            return _Timed(pool.submit(store.write_shard, shard.name, data, chunk_bytes, compression),
-                          time.perf_counter() - started)
+            return _Timed(
+                pool.submit(store.write_shard, shard.name, data, chunk_bytes, compression),
+                time.perf_counter() - started,
+            )
 
         def finish(plan, timed: _Timed) -> None:
             try:

@@ -7,6 +7,7 @@ run, and the project's own errors (config, missing artefact, provenance, bad inp
 the process with one line naming what to do and exit status 2. `--debug` (or Hydra's
 HYDRA_FULL_ERROR=1, or EAGLE3_DEBUG=1) shows the traceback instead.
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,6 +38,7 @@ def _take_debug_flag() -> None:
 
 def reporting_errors(main: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap an entry point: the project's errors become one line on stderr and exit 2."""
+
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         _take_debug_flag()
@@ -81,6 +83,7 @@ def stage_main(stage: str, run_stage: Callable[[Any, Path], Any]) -> Callable[[]
     """The entry point of the stage named `stage`, `run_stage(cfg, target_path)`: the target is
     prepared first. The name comes from the caller: run as a script, a stage's module is
     `__main__`, which names no stage."""
+
     # A stage whose output is shared between runs (multirun, sweeps) waits for that folder's
     # lock, as under workflows.full.
     def run(cfg):

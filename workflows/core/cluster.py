@@ -7,16 +7,27 @@ when another local Ray holds it; otherwise `ray.init(address=...)` joins an exis
 cluster. A Ray already initialised in this process (a test session's, a notebook's) is
 reused as it is, so no stage decides the dashboard or the address for another.
 """
+
 from __future__ import annotations
 
 import os
 
 from workflows.core.config import PROJECT_ROOT, ClusterSection, ConfigError
 
-
 # Never uploaded with `cluster.code=upload`: outputs, caches, environments, VCS data.
-UPLOAD_EXCLUDES = [".git", ".venv", ".cache", "runs", "outputs", "multirun", "wandb", "**/__pycache__",
-                   "*.egg-info", ".pytest_cache", ".hypothesis"]
+UPLOAD_EXCLUDES = [
+    ".git",
+    ".venv",
+    ".cache",
+    "runs",
+    "outputs",
+    "multirun",
+    "wandb",
+    "**/__pycache__",
+    "*.egg-info",
+    ".pytest_cache",
+    ".hypothesis",
+]
 
 
 def runtime_env(cluster: ClusterSection) -> dict:
@@ -32,8 +43,7 @@ def ensure_ray(cluster: ClusterSection) -> None:
 
     if ray.is_initialized():
         return
-    common = dict(runtime_env=runtime_env(cluster), log_to_driver=True, configure_logging=True,
-                  logging_level="WARNING")
+    common = dict(runtime_env=runtime_env(cluster), log_to_driver=True, configure_logging=True, logging_level="WARNING")
     if cluster.address:
         try:
             ray.init(address=cluster.address, **common)
@@ -44,11 +54,19 @@ def ensure_ray(cluster: ClusterSection) -> None:
             raise ConfigError(
                 f"cluster.address={cluster.address}: could not join the Ray cluster ({err}). If it "
                 "uses token authentication (the default of `ray start --head`), set RAY_AUTH_MODE=token "
-                "and provide its token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)") from err
+                "and provide its token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+            ) from err
         return
     port = {} if cluster.dashboard_port is None else {"dashboard_port": cluster.dashboard_port}
     # address="local": a new Ray for this job. Without it Ray would join whatever cluster
     # `ray start` last recorded on this machine (/tmp/ray/ray_current_cluster), and refuse
     # num_cpus while at it, or fail on a stale record of one that has gone.
-    ray.init(address="local", num_cpus=cluster.num_cpus or os.cpu_count(), include_dashboard=cluster.dashboard,
-             dashboard_host=cluster.dashboard_host, _node_ip_address="127.0.0.1", **port, **common)
+    ray.init(
+        address="local",
+        num_cpus=cluster.num_cpus or os.cpu_count(),
+        include_dashboard=cluster.dashboard,
+        dashboard_host=cluster.dashboard_host,
+        _node_ip_address="127.0.0.1",
+        **port,
+        **common,
+    )

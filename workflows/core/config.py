@@ -6,6 +6,7 @@ while composing, naming the key. `load_config` then builds the dataclasses stric
 (`eagle3.schema.from_dict`): literal choices and every numeric range are checked there, at
 load, before any stage runs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,13 +54,20 @@ class DraftSection:
         if self.init_head not in ("random", "target"):
             raise ConfigError(f"{where}.init_head={self.init_head!r} is not 'random' or 'target'")
         if self.fc_norm and self.norm_before_fc:
-            raise ConfigError(f"{where}.fc_norm and {where}.norm_before_fc are both set: SGLang would serve the "
-                              "pair but vLLM's speculators refuses it; choose one")
+            raise ConfigError(
+                f"{where}.fc_norm and {where}.norm_before_fc are both set: SGLang would serve the "
+                "pair but vLLM's speculators refuses it; choose one"
+            )
 
     def build(self, target: TargetSpec, draft_vocab_size: int) -> DraftConfig:
-        return DraftConfig.for_target(target, draft_vocab_size, self.intermediate_size,
-                                      norm_before_fc=self.norm_before_fc, fc_norm=self.fc_norm,
-                                      rope_theta=self.rope_theta)
+        return DraftConfig.for_target(
+            target,
+            draft_vocab_size,
+            self.intermediate_size,
+            norm_before_fc=self.norm_before_fc,
+            fc_norm=self.fc_norm,
+            rope_theta=self.rope_theta,
+        )
 
 
 def auto_draft_vocab_size(target_vocab: int, distinct_seen: int) -> int:
@@ -98,7 +106,9 @@ class DataSection:
     # answer tokens/s and two threads 77, so the cores go to separate engines. GPU presets
     # set one engine per TP group.
     num_engines: int = field(default=2, metadata=NOT_OUTPUT)
-    threads_per_engine: int = field(default=0, metadata=NOT_OUTPUT)  # 0: the machine's cores divided by the engines started
+    threads_per_engine: int = field(
+        default=0, metadata=NOT_OUTPUT
+    )  # 0: the machine's cores divided by the engines started
     # GPUs each engine actor holds (Ray places it on one node with them); > 0 runs the engine
     # on them: SGLang with tp_size = target.tp_size GPUs, HF on its one GPU. 0: the CPU.
     gpus_per_engine: float = 0
@@ -106,10 +116,22 @@ class DataSection:
     sglang_max_total_tokens: int = 4096  # KV pool of each SGLang engine on CPU (tokens; GPUs size their own)
 
     def validate(self, where: str = "data") -> None:
-        check_ranges(self, where, limit=">=1", max_new_tokens=">=1", batch_size=">=1", max_length=">=2",
-                     heldout_fraction="[0,1)", temperature=">=0", top_p="(0,1]", num_engines=">=1",
-                     threads_per_engine=">=0", shard_size=">=1", sglang_max_total_tokens=">=1",
-                     gpus_per_engine=">=0")
+        check_ranges(
+            self,
+            where,
+            limit=">=1",
+            max_new_tokens=">=1",
+            batch_size=">=1",
+            max_length=">=2",
+            heldout_fraction="[0,1)",
+            temperature=">=0",
+            top_p="(0,1]",
+            num_engines=">=1",
+            threads_per_engine=">=0",
+            shard_size=">=1",
+            sglang_max_total_tokens=">=1",
+            gpus_per_engine=">=0",
+        )
 
 
 @dataclass
@@ -156,8 +178,12 @@ class TrainSection(LoopConfig):
     # Held-out samples each evaluation reads (the first in store order): rank 0 evaluates
     # while the other ranks wait, so at scale a full pass could cost more than the training.
     eval_max_samples: int = 512
-    keep_checkpoints: int = field(default=2, metadata=NOT_OUTPUT)  # best by held-out walk acceptance; the latest is always kept
-    resume: bool = field(default=True, metadata=NOT_OUTPUT)  # false: discard this run folder's checkpoints and start afresh
+    keep_checkpoints: int = field(
+        default=2, metadata=NOT_OUTPUT
+    )  # best by held-out walk acceptance; the latest is always kept
+    resume: bool = field(
+        default=True, metadata=NOT_OUTPUT
+    )  # false: discard this run folder's checkpoints and start afresh
     init_from: str | None = None  # warm start: a draft folder's weights only
     on_corrupt_shard: Literal["error", "skip"] = "error"  # skip: counted in metrics.json
     device: str = "cpu"  # the local backend's device
@@ -171,16 +197,30 @@ class TrainSection(LoopConfig):
 
     def validate(self, where: str = "train") -> None:
         super().validate(where)
-        check_ranges(self, where, batch_size=">=1", num_workers=">=1",
-                     cpus_per_worker=">0", gpus_per_worker=">=0", zero_stage="[0,2]", grad_accum=">=1",
-                     max_seq_len=">=8", rows_per_batch=">=1", shuffle_window=">=1", prefetch_batches=">=1",
-                     keep_checkpoints=">=1", eval_max_samples=">=1")
+        check_ranges(
+            self,
+            where,
+            batch_size=">=1",
+            num_workers=">=1",
+            cpus_per_worker=">0",
+            gpus_per_worker=">=0",
+            zero_stage="[0,2]",
+            grad_accum=">=1",
+            max_seq_len=">=8",
+            rows_per_batch=">=1",
+            shuffle_window=">=1",
+            prefetch_batches=">=1",
+            keep_checkpoints=">=1",
+            eval_max_samples=">=1",
+        )
         # A worker trains on one device, the one DeepSpeed and the batches share
         # (workflows.train.ray_job): a GPU fraction would put several ranks on one GPU, more
         # than one would leave the rest idle.
         if self.gpus_per_worker not in (0, 1):
-            raise ConfigError(f"{where}.gpus_per_worker={self.gpus_per_worker:g}: each Ray Train worker trains on "
-                              f"one GPU (0: on the CPU); for more GPUs raise {where}.num_workers, one worker per GPU")
+            raise ConfigError(
+                f"{where}.gpus_per_worker={self.gpus_per_worker:g}: each Ray Train worker trains on "
+                f"one GPU (0: on the CPU); for more GPUs raise {where}.num_workers, one worker per GPU"
+            )
 
 
 @dataclass
@@ -192,11 +232,15 @@ class CaptureSection:
     # fsspec options (endpoint, credentials, ...): never written to provenance, W&B or logs.
     storage_options: dict[str, Any] = field(default_factory=dict, metadata=NOT_OUTPUT)
     shard_samples: int = 64  # samples per capture shard (fixed by the corpus: resume unit)
-    shards_per_call: int = field(default=2, metadata=NOT_OUTPUT)  # shards per actor call (writes overlap the next shard's compute)
+    shards_per_call: int = field(
+        default=2, metadata=NOT_OUTPUT
+    )  # shards per actor call (writes overlap the next shard's compute)
     micro_batch_tokens: int = field(default=4096, metadata=NOT_OUTPUT)  # padded tokens per forward
     actors: int = field(default=1, metadata=NOT_OUTPUT)
     cpus_per_actor: float = field(default=1.0, metadata=NOT_OUTPUT)
-    gpus_per_actor: float = field(default=0.0, metadata=NOT_OUTPUT)  # GPU presets: the target's tp_size (one actor per TP group)
+    gpus_per_actor: float = field(
+        default=0.0, metadata=NOT_OUTPUT
+    )  # GPU presets: the target's tp_size (one actor per TP group)
     dtype: DTYPE = "auto"  # the engines' dtype
     # SGLang: how the final hidden state comes back with the aux states. "runner" (auto): SGLang's
     # model runner, driven by the capture worker, returns both from one forward as tensors;
@@ -208,21 +252,40 @@ class CaptureSection:
     engine_timeout_s: float = field(default=3600.0, metadata=NOT_OUTPUT)
     chunk_mb: float = 1.0  # Zarr chunk size of the state arrays (one Zarr shard file per array)
     compression: str = "none"  # or zstd[:level] (~1.28x on bf16 states, much slower)
-    estimate_only: bool = field(default=False, metadata=NOT_OUTPUT)  # print bytes/token and the projected size, capture nothing
-    estimate_tokens: int | None = field(default=None, metadata=NOT_OUTPUT)  # for estimate_only without a corpus (e.g. 88000000)
+    estimate_only: bool = field(
+        default=False, metadata=NOT_OUTPUT
+    )  # print bytes/token and the projected size, capture nothing
+    estimate_tokens: int | None = field(
+        default=None, metadata=NOT_OUTPUT
+    )  # for estimate_only without a corpus (e.g. 88000000)
     # estimate_only's wall-time projection: tokens/s of one capture actor (null: measured, the last
     # capture/summary.json's per-actor mean) and answer tokens/s of one generate engine
     estimate_capture_tokens_per_s: float | None = field(default=None, metadata=NOT_OUTPUT)
     estimate_generate_tokens_per_s: float | None = field(default=None, metadata=NOT_OUTPUT)
-    ignore_space: bool = field(default=False, metadata=NOT_OUTPUT)  # start even when the destination lacks the projected space
-    max_actor_restarts: int = field(default=3, metadata=NOT_OUTPUT)  # a dead capture actor is restarted and its batch re-run, this many times
+    ignore_space: bool = field(
+        default=False, metadata=NOT_OUTPUT
+    )  # start even when the destination lacks the projected space
+    max_actor_restarts: int = field(
+        default=3, metadata=NOT_OUTPUT
+    )  # a dead capture actor is restarted and its batch re-run, this many times
 
     def validate(self, where: str = "capture") -> None:
-        check_ranges(self, where, shard_samples=">=1", shards_per_call=">=1", micro_batch_tokens=">=1",
-                     actors=">=1", cpus_per_actor=">0", gpus_per_actor=">=0", chunk_mb=">0",
-                     estimate_tokens=">=1", estimate_capture_tokens_per_s=">0",
-                     estimate_generate_tokens_per_s=">0", engine_timeout_s=">0",
-                     max_actor_restarts=">=0")
+        check_ranges(
+            self,
+            where,
+            shard_samples=">=1",
+            shards_per_call=">=1",
+            micro_batch_tokens=">=1",
+            actors=">=1",
+            cpus_per_actor=">0",
+            gpus_per_actor=">=0",
+            chunk_mb=">0",
+            estimate_tokens=">=1",
+            estimate_capture_tokens_per_s=">0",
+            estimate_generate_tokens_per_s=">0",
+            engine_timeout_s=">0",
+            max_actor_restarts=">=0",
+        )
         level = self.compression.removeprefix("zstd").removeprefix(":")
         if self.compression != "none" and not (self.compression.startswith("zstd") and (not level or level.isdigit())):
             raise ConfigError(f"{where}.compression={self.compression!r}: use 'none' or 'zstd[:level]'")
@@ -314,14 +377,28 @@ class EvaluateSection:
     vllm_python: str | None = None  # the interpreter that has vLLM (null: .venv-vllm, else this one)
 
     def validate(self, where: str = "evaluate") -> None:
-        check_ranges(self, where, num_steps=">=1", topk=">=1", num_draft_tokens=">=2", tree_topk=">=0",
-                     tree_num_draft_tokens=">=2", max_prompts=">=1", max_new_tokens=">=1", length_buckets=">=1",
-                     served_tolerance="(0,1)", served_timeout_s=">0", temperature="[0,2]")
+        check_ranges(
+            self,
+            where,
+            num_steps=">=1",
+            topk=">=1",
+            num_draft_tokens=">=2",
+            tree_topk=">=0",
+            tree_num_draft_tokens=">=2",
+            max_prompts=">=1",
+            max_new_tokens=">=1",
+            length_buckets=">=1",
+            served_tolerance="(0,1)",
+            served_timeout_s=">0",
+            temperature="[0,2]",
+        )
         if self.temperature > 0 and not self.seeds:
             raise ConfigError(f"{where}.seeds is empty: sampling at {where}.temperature needs at least one seed")
         if self.served == "vllm" and self.topk > 1:
-            raise ConfigError(f"{where}.served=vllm with {where}.topk={self.topk}: vLLM drafts chains only; set "
-                              f"{where}.topk=1, or {where}.served=sglang (or auto) to serve the tree")
+            raise ConfigError(
+                f"{where}.served=vllm with {where}.topk={self.topk}: vLLM drafts chains only; set "
+                f"{where}.topk=1, or {where}.served=sglang (or auto) to serve the tree"
+            )
         if self.length_buckets != sorted(set(self.length_buckets)) or not self.length_buckets:
             raise ConfigError(f"{where}.length_buckets={self.length_buckets} must be a non-empty ascending list")
 
@@ -354,22 +431,30 @@ class FullConfig:
         if unknown:
             raise ConfigError(f"stages: unknown stage(s) {unknown}; known stages are {list(STAGES)}")
         # An SGLang actor is one TP group: it must hold exactly the GPUs its engine shards over.
-        for field_, backend, gpus in (("data.gpus_per_engine", self.data.backend, self.data.gpus_per_engine),
-                                      ("capture.gpus_per_actor", self.capture.backend, self.capture.gpus_per_actor)):
+        for field_, backend, gpus in (
+            ("data.gpus_per_engine", self.data.backend, self.data.gpus_per_engine),
+            ("capture.gpus_per_actor", self.capture.backend, self.capture.gpus_per_actor),
+        ):
             if backend == "sglang" and gpus and gpus != self.target.tp_size:
-                raise ConfigError(f"{field_}={gpus:g} but target.tp_size={self.target.tp_size}: an SGLang engine "
-                                  "actor is one tensor-parallel group and holds exactly tp_size GPUs")
+                raise ConfigError(
+                    f"{field_}={gpus:g} but target.tp_size={self.target.tp_size}: an SGLang engine "
+                    "actor is one tensor-parallel group and holds exactly tp_size GPUs"
+                )
             if backend == "sglang" and not gpus and self.target.tp_size > 1:
-                raise ConfigError(f"{field_}=0 (SGLang on the CPU) but target.tp_size={self.target.tp_size}: SGLang "
-                                  "0.5.23's CPU backend does not run tensor parallel here (its TP group builds a "
-                                  "NCCL communicator); give the actor tp_size GPUs or use target.tp_size=1")
+                raise ConfigError(
+                    f"{field_}=0 (SGLang on the CPU) but target.tp_size={self.target.tp_size}: SGLang "
+                    "0.5.23's CPU backend does not run tensor parallel here (its TP group builds a "
+                    "NCCL communicator); give the actor tp_size GPUs or use target.tp_size=1"
+                )
         # Samples are cut to data.max_length tokens after generation: an answer budget that no
         # prompt leaves room for is GPU time spent on tokens that are thrown away.
         if self.data.max_new_tokens >= self.data.max_length:
-            raise ConfigError(f"data.max_new_tokens={self.data.max_new_tokens} but data.max_length="
-                              f"{self.data.max_length} (prompt + answer): answers would be generated past the "
-                              "length every sample is cut to; raise data.max_length (e.g. to train.max_seq_len) "
-                              "or lower data.max_new_tokens")
+            raise ConfigError(
+                f"data.max_new_tokens={self.data.max_new_tokens} but data.max_length="
+                f"{self.data.max_length} (prompt + answer): answers would be generated past the "
+                "length every sample is cut to; raise data.max_length (e.g. to train.max_seq_len) "
+                "or lower data.max_new_tokens"
+            )
         size = self.draft.draft_vocab_size
         if size is not None and size > self.target.vocab_size:
             raise ConfigError(f"draft.draft_vocab_size={size} exceeds the target's vocab_size={self.target.vocab_size}")

@@ -8,6 +8,7 @@
 Training checkpoints (workflows.train.checkpoint) add the optimizer and loop state to the
 same three files; a warm start reads only these.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -49,14 +50,16 @@ def load_draft_weights(folder: Path, draft: Eagle3Draft, file: Path | None = Non
     another file with the same keys (an export). Keys and shapes must match exactly."""
     file = file or folder / WEIGHTS
     own = draft.state_dict()
-    weights = {k: v.to(own[k].dtype) if v.is_floating_point() and k in own else v
-               for k, v in load_file(str(file)).items()}
+    weights = {
+        k: v.to(own[k].dtype) if v.is_floating_point() and k in own else v for k, v in load_file(str(file)).items()
+    }
     for name, tensor in weights.items():
         if name not in own:
             raise ConfigError(f"{file}: unexpected tensor {name!r}")
         if own[name].shape != tensor.shape:
-            raise ConfigError(f"{file}: {name} has shape {tuple(tensor.shape)}, the draft expects "
-                              f"{tuple(own[name].shape)}")
+            raise ConfigError(
+                f"{file}: {name} has shape {tuple(tensor.shape)}, the draft expects {tuple(own[name].shape)}"
+            )
     missing = sorted(set(own) - set(weights) - set(FROZEN))
     if missing:
         raise ConfigError(f"{file} lacks {missing}")

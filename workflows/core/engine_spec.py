@@ -4,6 +4,7 @@ A leaf (the standard library only): the engines (workflows.core.engines, workflo
 the capture worker and SGLang's runner, the final-layer tail and the stages all import it, and
 none of them has to import the module that picks an engine.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -18,6 +18,7 @@ and offers
 generate (regeneration), capture (the store), train (online states) and evaluate
 (held-out states) use them.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -52,8 +53,9 @@ class HFEngine:
             torch.set_num_threads(spec.threads)
         self.spec = spec
         self.device = torch.device(spec.device)
-        self.model, self.tokenizer = load_target(spec.target_path, dtype=spec.dtype,
-                                                 trust_remote_code=spec.trust_remote_code)
+        self.model, self.tokenizer = load_target(
+            spec.target_path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code
+        )
         self.model.to(self.device)
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
@@ -69,17 +71,25 @@ class HFEngine:
 
     # ---------------------------------------------------------------------- generation
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-                 top_p: float = 1.0) -> list[tuple[list[int], str]]:
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0
+    ) -> list[tuple[list[int], str]]:
         """(answer ids without the stop token, finish) per prompt: finish is 'eos' or 'length'."""
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=self.device)
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         sample = temperature > 0
         extra = {"temperature": temperature, "top_p": top_p} if sample else {"temperature": None, "top_p": None}
-        out = self.model.generate(input_ids=ids, attention_mask=attention, max_new_tokens=max_new_tokens,
-                                  do_sample=sample, eos_token_id=sorted(self.eos), pad_token_id=self.pad_id,
-                                  top_k=None, **extra)
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=attention,
+            max_new_tokens=max_new_tokens,
+            do_sample=sample,
+            eos_token_id=sorted(self.eos),
+            pad_token_id=self.pad_id,
+            top_k=None,
+            **extra,
+        )
         results = []
         for row in out[:, width:].tolist():
             stop = next((k for k, t in enumerate(row) if t in self.eos), None)
@@ -113,9 +123,17 @@ class HFEngine:
         """Training batches (eagle3.training's dict) for groups of corpus rows, computed here."""
         from tqdm import tqdm
 
-        return [capture_batch(self.model, [r["input_ids"] for r in group], [r["loss_mask"] for r in group],
-                              self.spec.layer_ids, pad_id=self.pad_id, device=self.device)
-                for group in tqdm(groups, desc=desc, unit="batch")]
+        return [
+            capture_batch(
+                self.model,
+                [r["input_ids"] for r in group],
+                [r["loss_mask"] for r in group],
+                self.spec.layer_ids,
+                pad_id=self.pad_id,
+                device=self.device,
+            )
+            for group in tqdm(groups, desc=desc, unit="batch")
+        ]
 
     def close(self) -> None:
         pass

@@ -3,6 +3,7 @@
 Entry points (workflows.core.cli) print these as one line and exit non-zero, without a
 traceback; anything else is a bug and keeps its traceback.
 """
+
 from __future__ import annotations
 
 from eagle3.chat_template import TemplateError

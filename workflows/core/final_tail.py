@@ -18,6 +18,7 @@ are right-padded into batches, which causal attention makes exact for the real r
 names the model's classes do not use); the SGLang engine then refuses `final_state=tail`,
 and id N-1 (which only the tail gives), naming the reason.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,9 @@ def _tensors(folder: Path, names: set[str]) -> dict[str, torch.Tensor]:
         raise TailUnavailable(f"{folder}: no safetensors checkpoint (model.safetensors or its index)")
     missing = sorted(names - set(weight_map))
     if missing:
-        raise TailUnavailable(f"{folder}: the checkpoint has no tensor {missing[0]!r} "
-                              f"(and {len(missing) - 1} more) of the last layer")
+        raise TailUnavailable(
+            f"{folder}: the checkpoint has no tensor {missing[0]!r} (and {len(missing) - 1} more) of the last layer"
+        )
     out: dict[str, torch.Tensor] = {}
     for file in sorted({weight_map[n] for n in names}):
         with safe_open(folder / file, "pt") as f:
@@ -60,27 +62,39 @@ def _tensors(folder: Path, names: set[str]) -> dict[str, torch.Tensor]:
 class FinalLayerTail:
     """norm(last_layer(h)) for a target checkpoint folder; see the module doc."""
 
-    def __init__(self, target_path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-                 trust_remote_code: bool = False):
+    def __init__(
+        self,
+        target_path: str | Path,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+        trust_remote_code: bool = False,
+    ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         folder = Path(target_path)
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-        if getattr(config, "quantization_config", None) or getattr(config.get_text_config(), "quantization_config",
-                                                                    None):
+        if getattr(config, "quantization_config", None) or getattr(
+            config.get_text_config(), "quantization_config", None
+        ):
             raise TailUnavailable(f"{folder}: a quantized checkpoint (its layers need the quantizer's loader)")
         text = config.get_text_config()
         window = getattr(text, "sliding_window", None) if getattr(text, "use_sliding_window", True) else None
         layer_types = getattr(text, "layer_types", None) or []
-        if window or (layer_types and layer_types[-1] != "full_attention") \
-                or getattr(text, "attn_logit_softcapping", None):
-            raise TailUnavailable(f"{folder}: the last layer's attention is not plain causal (sliding window or "
-                                  "logit softcapping), which the tail computes")
+        if (
+            window
+            or (layer_types and layer_types[-1] != "full_attention")
+            or getattr(text, "attn_logit_softcapping", None)
+        ):
+            raise TailUnavailable(
+                f"{folder}: the last layer's attention is not plain causal (sliding window or "
+                "logit softcapping), which the tail computes"
+            )
         self.device, self.dtype = torch.device(device), dtype
         try:
             with torch.device("meta"):  # the architecture without memory; two modules get real weights
-                model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
-                                                         attn_implementation="sdpa")
+                model = AutoModelForCausalLM.from_config(
+                    config, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+                )
             decoder = model.get_decoder()
             prefix = next(name for name, module in model.named_modules() if module is decoder)
             self.num_layers = len(decoder.layers)
@@ -90,8 +104,9 @@ class FinalLayerTail:
             weights = _tensors(folder, wanted)
             self.layer, self.norm = decoder.layers[-1], decoder.norm
             for module, p in ((self.layer, layer_prefix), (self.norm, norm_prefix)):
-                module.load_state_dict({n[len(p):]: t for n, t in weights.items() if n.startswith(p)},
-                                       strict=True, assign=True)
+                module.load_state_dict(
+                    {n[len(p) :]: t for n, t in weights.items() if n.startswith(p)}, strict=True, assign=True
+                )
                 module.to(self.device, dtype).eval().requires_grad_(False)
             # The rotary table is computed, not stored: build it again on the real device.
             with self.device:
@@ -124,8 +139,9 @@ class FinalLayerTail:
             for row, i in enumerate(idx):
                 x[row, : len(inputs[i])] = inputs[i].to(self.device, self.dtype)
             positions = torch.arange(width, device=self.device)[None].expand(len(idx), -1)
-            out = self.layer(x, attention_mask=None, position_ids=positions,
-                             position_embeddings=self.rotary(x, positions))
+            out = self.layer(
+                x, attention_mask=None, position_ids=positions, position_embeddings=self.rotary(x, positions)
+            )
             out = out[0] if isinstance(out, tuple) else out
             norm = self.norm(out)
             for row, i in enumerate(idx):

@@ -26,6 +26,7 @@ Stages ask this module for paths and for the artefacts of the stages before them
 `require_done(stage)` is the check that an upstream stage has finished, with the
 message that says how to run it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,9 +39,17 @@ from eagle3.schema import output_dict
 from workflows.core.errors import MissingArtefact
 from workflows.core.markers import config_hash, exclusive_lock, folder_lock, marker_key, read_json
 
-STAGE_DIRS = {"generate": "generate", "capture": "capture", "vocab": "vocab", "train": "train",
-              "export": "export", "evaluate": "report"}
+STAGE_DIRS = {
+    "generate": "generate",
+    "capture": "capture",
+    "vocab": "vocab",
+    "train": "train",
+    "export": "export",
+    "evaluate": "report",
+}
 SHARED_STAGES = ("generate", "capture", "vocab")  # the stages runs can share (see shared_dirs)
+
+
 def _section(cfg, name: str, *also_drop: str) -> dict:
     """A config section as the shared folders' hashes see it: its output settings only
     (eagle3.schema.NOT_OUTPUT marks the others; the stages' own done-keys are built alike)."""
@@ -50,13 +59,25 @@ def _section(cfg, name: str, *also_drop: str) -> dict:
 def shared_hashes(cfg) -> dict[str, str]:
     """Stage -> the hash naming its shared folder: the config that determines its output,
     chained with its upstream stage's hash (a new corpus means a new store and vocab)."""
-    generate = config_hash({"target": _section(cfg, "target", "capture_layer_ids"), "data": _section(cfg, "data"),
-                            "mixture": output_dict(dict(cfg.mixture)),
-                            "seed": cfg.seed})
-    capture = config_hash({"generate": generate, "target": _section(cfg, "target"),
-                           "capture_ids": cfg.target.capture_ids, "capture": _section(cfg, "capture")})
-    vocab = config_hash({"generate": generate, "draft_vocab_size": cfg.draft.draft_vocab_size,
-                         "vocab_size": cfg.target.vocab_size})
+    generate = config_hash(
+        {
+            "target": _section(cfg, "target", "capture_layer_ids"),
+            "data": _section(cfg, "data"),
+            "mixture": output_dict(dict(cfg.mixture)),
+            "seed": cfg.seed,
+        }
+    )
+    capture = config_hash(
+        {
+            "generate": generate,
+            "target": _section(cfg, "target"),
+            "capture_ids": cfg.target.capture_ids,
+            "capture": _section(cfg, "capture"),
+        }
+    )
+    vocab = config_hash(
+        {"generate": generate, "draft_vocab_size": cfg.draft.draft_vocab_size, "vocab_size": cfg.target.vocab_size}
+    )
     return {"generate": generate, "capture": capture, "vocab": vocab}
 
 
@@ -74,8 +95,11 @@ class RunLayout:
             return cls(root, cfg.capture.store or str(root / "store"), options)
         hashes = shared_hashes(cfg)
         shared = {stage: Path(cfg.shared_dir) / stage / hashes[stage] for stage in SHARED_STAGES}
-        store = f"{cfg.capture.store.rstrip('/')}/{hashes['capture']}" if cfg.capture.store else \
-            str(shared["capture"] / "store")
+        store = (
+            f"{cfg.capture.store.rstrip('/')}/{hashes['capture']}"
+            if cfg.capture.store
+            else str(shared["capture"] / "store")
+        )
         return cls(root, store, options, shared)
 
     # ------------------------------------------------------------------- stage folders
@@ -134,8 +158,10 @@ class RunLayout:
     def require_done(self, stage: str) -> str:
         key = self.done_key(stage)
         if key is None:
-            raise MissingArtefact(f"{self.stage_dir(stage)}: the {stage} stage has not finished in this run "
-                                  f"folder; run it first (stages=[{stage}])")
+            raise MissingArtefact(
+                f"{self.stage_dir(stage)}: the {stage} stage has not finished in this run "
+                f"folder; run it first (stages=[{stage}])"
+            )
         return key
 
     def chain(self, *stages: str) -> dict:
@@ -183,8 +209,9 @@ class RunLayout:
         self.require_done("vocab")
         t = load_file(str(self.vocab_file))
         summary = read_json(self.stage_dir("vocab") / "vocab.json")
-        return DraftVocab(d2t=t["d2t"], t2d=t["t2d"], covered_fraction=summary["covered_fraction"],
-                          filled=summary["filled"]), summary
+        return DraftVocab(
+            d2t=t["d2t"], t2d=t["t2d"], covered_fraction=summary["covered_fraction"], filled=summary["filled"]
+        ), summary
 
     def require_draft(self) -> Path:
         """The trained draft's folder (train stage finished)."""

@@ -3,6 +3,7 @@
 A leaf (the standard library only), so any module of the project can log without importing
 the entry points of workflows.core.cli, which import the targets.
 """
+
 from __future__ import annotations
 
 import time

@@ -7,6 +7,7 @@ keys of the upstream stages it read (`chain`): a changed target or corpus theref
 invalidates every stage built from it, and a rerun skips exactly the stages whose key is
 unchanged.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -112,8 +113,10 @@ def stage_is_done(folder: Path, key: Mapping) -> bool:
 
 def mark_done(folder: Path, key: Mapping, summary: Mapping | None = None) -> str:
     digest = config_hash(key)
-    write_json_atomic(Path(folder) / DONE, {"key": digest, "summary": dict(summary or {}),
-                                             "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    write_json_atomic(
+        Path(folder) / DONE,
+        {"key": digest, "summary": dict(summary or {}), "finished": time.strftime("%Y-%m-%dT%H:%M:%S")},
+    )
     return digest
 
 
@@ -134,8 +137,9 @@ def folder_lock(folder: Path, what: str) -> Iterator[None]:
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
-            raise ConfigError(f"{what} {folder} is being written by {holder}; wait for it to finish "
-                              "or choose another run_dir") from None
+            raise ConfigError(
+                f"{what} {folder} is being written by {holder}; wait for it to finish or choose another run_dir"
+            ) from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()} since {time.strftime('%H:%M:%S')}")

@@ -7,6 +7,7 @@ times one small matrix product in each type on one thread, once per process, pic
 only where it is clearly faster, and logs the figures behind the choice. On a GPU `auto`
 is bf16 (fp16 where the GPU has no bf16). Any explicit dtype in the config is used as is.
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,8 +44,10 @@ def cpu_choice() -> tuple[str, str]:
     """(dtype, why) for this CPU, measured once per process and logged."""
     fp32, bf16 = matmul_gflops("float32"), matmul_gflops("bfloat16")
     dtype = "bfloat16" if bf16 >= BF16_MIN_SPEEDUP * fp32 else "float32"
-    why = (f"bf16 matmul {bf16:.1f} GFLOP/s vs fp32 {fp32:.1f} on one thread "
-           f"(bf16 is chosen from {BF16_MIN_SPEEDUP}x faster)")
+    why = (
+        f"bf16 matmul {bf16:.1f} GFLOP/s vs fp32 {fp32:.1f} on one thread "
+        f"(bf16 is chosen from {BF16_MIN_SPEEDUP}x faster)"
+    )
     log(f"[precision] CPU compute dtype: {dtype}: {why}; set it explicitly to override")
     return dtype, why
 
@@ -66,7 +69,7 @@ def matmul_gflops(dtype: str) -> float:
             best = min(best, time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
-    return 2 * _SIZE ** 3 / best / 1e9
+    return 2 * _SIZE**3 / best / 1e9
 
 
 def engine_dtype(cfg) -> str:

@@ -14,6 +14,7 @@
 Records are plain JSON-ready dicts (no tensors). Secrets never enter them: `redacted`
 masks `capture.storage_options` and `target.env` values before a config is recorded.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,9 +34,20 @@ PREPARED = "PREPARED.json"  # written last into a target folder the pipeline bui
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 REDACTED = "<redacted>"
 # The fields a hidden-state store and a config must agree on (see the module doc).
-CAPTURE_CONTRACT = ("target_path", "target_weights_sha256", "num_layers", "hidden_size", "capture_layer_ids",
-                    "layer_id_convention", "state_dtype", "final_is_normed", "tokenizer_sha256",
-                    "chat_template_sha256", "backend", "engine_dtype")
+CAPTURE_CONTRACT = (
+    "target_path",
+    "target_weights_sha256",
+    "num_layers",
+    "hidden_size",
+    "capture_layer_ids",
+    "layer_id_convention",
+    "state_dtype",
+    "final_is_normed",
+    "tokenizer_sha256",
+    "chat_template_sha256",
+    "backend",
+    "engine_dtype",
+)
 
 
 # ------------------------------------------------------------------------- target identity
@@ -91,8 +103,16 @@ def tokenizer_sha256(folder: str | Path) -> str | None:
     folder = Path(folder)
     if (folder / "tokenizer.json").is_file():
         return sha256_file(folder / "tokenizer.json")
-    names = ("tokenizer.model", "tiktoken.model", "vocab.json", "merges.txt", "vocab.txt",
-             "added_tokens.json", "special_tokens_map.json", "tokenizer_config.json")
+    names = (
+        "tokenizer.model",
+        "tiktoken.model",
+        "vocab.json",
+        "merges.txt",
+        "vocab.txt",
+        "added_tokens.json",
+        "special_tokens_map.json",
+        "tokenizer_config.json",
+    )
     present = [folder / n for n in names if (folder / n).is_file()]
     if not present:
         return None
@@ -118,8 +138,10 @@ def weights_sha256(folder: Path) -> str | None:
         return None
     size = sum(p.stat().st_size for p in files)
     if size > 1 << 30:  # minutes for a large checkpoint, once: say so
-        print(f"[target] hashing {size / 1e9:.1f} GB of weights in {folder} once (cached by file size and mtime)",
-              flush=True)
+        print(
+            f"[target] hashing {size / 1e9:.1f} GB of weights in {folder} once (cached by file size and mtime)",
+            flush=True,
+        )
     digest = hashlib.sha256()
     for file in files:
         digest.update(f"{file.name}\0{sha256_file(file)}\n".encode())
@@ -162,9 +184,20 @@ def target_identity(path: str | Path, cache_dir: str | Path) -> dict:
         "weights_sha256": (prepared or {}).get("weights_sha256") or weights_sha256(folder),
     }
     if prepared is not None:
-        identity["prepared"] = {k: prepared.get(k) for k in (
-            "source", "spec_name", "source_file", "source_sha256", "dtype", "transformers_version",
-            "torch_version", "builder_version", "prepared_at")}
+        identity["prepared"] = {
+            k: prepared.get(k)
+            for k in (
+                "source",
+                "spec_name",
+                "source_file",
+                "source_sha256",
+                "dtype",
+                "transformers_version",
+                "torch_version",
+                "builder_version",
+                "prepared_at",
+            )
+        }
     write_json_atomic(cache, {"signature": signature, "identity": identity})
     return identity
 
@@ -180,12 +213,18 @@ def identity_for(cfg, target_path: str | Path) -> dict:
 def capture_contract(cfg, identity: Mapping) -> dict:
     """The fields (CAPTURE_CONTRACT) a store captured under `cfg` holds."""
     contract = {
-        "target_path": identity["path"], "target_weights_sha256": identity["weights_sha256"],
-        "num_layers": cfg.target.num_layers, "hidden_size": cfg.target.hidden_size,
-        "capture_layer_ids": cfg.target.capture_ids, "layer_id_convention": CONVENTION,
-        "state_dtype": "bfloat16", "final_is_normed": FINAL_IS_NORMED,
-        "tokenizer_sha256": identity["tokenizer_sha256"], "chat_template_sha256": identity["chat_template_sha256"],
-        "backend": cfg.capture.backend, "engine_dtype": engine_dtype(cfg),
+        "target_path": identity["path"],
+        "target_weights_sha256": identity["weights_sha256"],
+        "num_layers": cfg.target.num_layers,
+        "hidden_size": cfg.target.hidden_size,
+        "capture_layer_ids": cfg.target.capture_ids,
+        "layer_id_convention": CONVENTION,
+        "state_dtype": "bfloat16",
+        "final_is_normed": FINAL_IS_NORMED,
+        "tokenizer_sha256": identity["tokenizer_sha256"],
+        "chat_template_sha256": identity["chat_template_sha256"],
+        "backend": cfg.capture.backend,
+        "engine_dtype": engine_dtype(cfg),
     }
     assert tuple(contract) == CAPTURE_CONTRACT
     return contract
@@ -193,18 +232,31 @@ def capture_contract(cfg, identity: Mapping) -> dict:
 
 def store_provenance(cfg, identity: Mapping, plan: Mapping, backend_version: str) -> dict:
     """The contract plus what is recorded only (versions, the capture config, the shard plan)."""
-    return {**capture_contract(cfg, identity), "target_name": cfg.target.name,
-            "target": {k: identity.get(k) for k in ("model_type", "vocab_size")},
-            "stored_as": "uint16 bit patterns of bfloat16", "backend_version": backend_version,
-            "code_version": code_version(), "config": redacted(cfg)["capture"], "plan": dict(plan)}
+    return {
+        **capture_contract(cfg, identity),
+        "target_name": cfg.target.name,
+        "target": {k: identity.get(k) for k in ("model_type", "vocab_size")},
+        "stored_as": "uint16 bit patterns of bfloat16",
+        "backend_version": backend_version,
+        "code_version": code_version(),
+        "config": redacted(cfg)["capture"],
+        "plan": dict(plan),
+    }
 
 
 def draft_provenance(cfg, identity: Mapping, vocab_summary: Mapping) -> dict:
     """What every draft artefact (checkpoint, trained draft, exports) carries."""
-    return {"target": dict(identity), "target_name": cfg.target.name, "capture_layer_ids": cfg.target.capture_ids,
-            "layer_id_convention": CONVENTION, "final_is_normed": FINAL_IS_NORMED,
-            "hidden_size": cfg.target.hidden_size, "vocab": dict(vocab_summary), "code_version": code_version(),
-            "config": redacted(cfg)}
+    return {
+        "target": dict(identity),
+        "target_name": cfg.target.name,
+        "capture_layer_ids": cfg.target.capture_ids,
+        "layer_id_convention": CONVENTION,
+        "final_is_normed": FINAL_IS_NORMED,
+        "hidden_size": cfg.target.hidden_size,
+        "vocab": dict(vocab_summary),
+        "code_version": code_version(),
+        "config": redacted(cfg),
+    }
 
 
 def redacted(cfg) -> dict:
@@ -227,8 +279,12 @@ def code_version() -> str:
         v = "unknown"
     try:
         sha = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-            cwd=Path(__file__).resolve().parent, env={**os.environ, "GIT_TERMINAL_PROMPT": "0"},
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+            env={**os.environ, "GIT_TERMINAL_PROMPT": "0"},
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         sha = ""

@@ -1,6 +1,7 @@
 """python -m workflows.core.served_sglang <job.json> <out.json>: SGLang's offline Engine
 serves the job's prompts with EAGLE-3 speculative decoding and writes what it produced
 (workflows.core.serving runs this in a child process, with the environment it needs)."""
+
 from __future__ import annotations
 
 import json
@@ -13,13 +14,22 @@ from workflows.core.sglang import SPECULATIVE_CPU_SETTINGS
 
 def engine_kwargs(job: dict) -> dict:
     longest = max(len(p) + n for p, n in zip(job["prompts"], job["max_new_tokens"]))
-    kw = {"model_path": job["target_path"], "dtype": job["dtype"], "tp_size": job["tp_size"],
-          "random_seed": job["seed"], "trust_remote_code": job["trust_remote_code"], "log_level": "warning",
-          "skip_server_warmup": True, "disable_radix_cache": True,  # every prompt verified from its first token
-          "speculative_algorithm": "EAGLE3", "speculative_draft_model_path": job["draft_path"],
-          "speculative_num_steps": job["num_steps"], "speculative_eagle_topk": job["topk"],
-          "speculative_num_draft_tokens": job["num_draft_tokens"],
-          "context_length": longest + job["num_draft_tokens"] + 8}
+    kw = {
+        "model_path": job["target_path"],
+        "dtype": job["dtype"],
+        "tp_size": job["tp_size"],
+        "random_seed": job["seed"],
+        "trust_remote_code": job["trust_remote_code"],
+        "log_level": "warning",
+        "skip_server_warmup": True,
+        "disable_radix_cache": True,  # every prompt verified from its first token
+        "speculative_algorithm": "EAGLE3",
+        "speculative_draft_model_path": job["draft_path"],
+        "speculative_num_steps": job["num_steps"],
+        "speculative_eagle_topk": job["topk"],
+        "speculative_num_draft_tokens": job["num_draft_tokens"],
+        "context_length": longest + job["num_draft_tokens"] + 8,
+    }
     if job["device"] == "cpu":
         kw.update(SPECULATIVE_CPU_SETTINGS)
         kw["max_total_tokens"] = max(4096, 2 * len(job["prompts"]) * kw["context_length"])
@@ -29,8 +39,9 @@ def engine_kwargs(job: dict) -> dict:
 def main(argv=None) -> None:
     job_file, out_file = sys.argv[1:] if argv is None else argv
     job = json.loads(Path(job_file).read_text())
-    import sglang as sgl
     from importlib.metadata import version
+
+    import sglang as sgl
 
     engine = sgl.Engine(**engine_kwargs(job))
     try:
@@ -48,17 +59,20 @@ def main(argv=None) -> None:
 def round_of(engine, job: dict, temperature: float, seed: int | None) -> dict:
     """The job's prompts once, greedy or sampled (each request seeded from `seed`)."""
     # The reference decoder's stop tokens; SGLang also stops at the target's own EOS ids.
-    params = [{"max_new_tokens": n, "temperature": temperature, "stop_token_ids": job["eos"]}
-              for n in job["max_new_tokens"]]
+    params = [
+        {"max_new_tokens": n, "temperature": temperature, "stop_token_ids": job["eos"]} for n in job["max_new_tokens"]
+    ]
     if seed is not None:
         for k, p in enumerate(params):
             p["sampling_seed"] = seed * 100003 + k
     outs = engine.generate(input_ids=job["prompts"], sampling_params=params)
     metas = [o["meta_info"] for o in outs]
-    return {"outputs": [list(map(int, o["output_ids"])) for o in outs],
-            "completion_tokens": [int(m["completion_tokens"]) for m in metas],
-            "verify_passes": [int(m.get("spec_verify_ct") or 0) for m in metas],
-            "accept_length_reported": [m.get("spec_accept_length") for m in metas]}
+    return {
+        "outputs": [list(map(int, o["output_ids"])) for o in outs],
+        "completion_tokens": [int(m["completion_tokens"]) for m in metas],
+        "verify_passes": [int(m.get("spec_verify_ct") or 0) for m in metas],
+        "accept_length_reported": [m.get("spec_accept_length") for m in metas],
+    }
 
 
 if __name__ == "__main__":

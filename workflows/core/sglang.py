@@ -25,6 +25,7 @@
   Radix cache is off (with it on, only the uncached suffix comes back). Id N-1 (the last
   layer's output) is never returned by SGLang: it needs the tail.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,15 +41,29 @@ from workflows.core.engine_spec import EngineSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIM_DIR = ROOT / "workflows" / "sglang_cpu_shim"
-CPU_SETTINGS = {"device": "cpu", "attention_backend": "torch_native", "sampling_backend": "pytorch",
-                "disable_cuda_graph": True, "disable_overlap_schedule": True, "disable_radix_cache": True,
-                "mem_fraction_static": 0.05}
+CPU_SETTINGS = {
+    "device": "cpu",
+    "attention_backend": "torch_native",
+    "sampling_backend": "pytorch",
+    "disable_cuda_graph": True,
+    "disable_overlap_schedule": True,
+    "disable_radix_cache": True,
+    "mem_fraction_static": 0.05,
+}
 
 
 def engine_kwargs(spec: EngineSpec, **extra) -> dict:
     """Keyword arguments of `sgl.Engine` for this spec (CPU settings when spec.device is cpu)."""
-    kw = {"model_path": spec.target_path, "tp_size": spec.tp_size, "dtype": spec.dtype, "log_level": "warning",
-          "skip_server_warmup": True, "random_seed": spec.seed, "trust_remote_code": spec.trust_remote_code, **extra}
+    kw = {
+        "model_path": spec.target_path,
+        "tp_size": spec.tp_size,
+        "dtype": spec.dtype,
+        "log_level": "warning",
+        "skip_server_warmup": True,
+        "random_seed": spec.seed,
+        "trust_remote_code": spec.trust_remote_code,
+        **extra,
+    }
     if spec.max_total_tokens is not None:
         kw["max_total_tokens"] = spec.max_total_tokens
     if spec.device == "cpu":
@@ -82,14 +97,23 @@ def server_cpu_args(dtype: str = "float32", max_total_tokens: int = 4096, specul
 
 def speculative_args(num_steps: int, topk: int, num_draft_tokens: int) -> list[str]:
     """SGLang's drafting flags for these settings (the report states them; serve passes them)."""
-    return ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", str(num_steps),
-            "--speculative-eagle-topk", str(topk), "--speculative-num-draft-tokens", str(num_draft_tokens)]
+    return [
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-num-steps",
+        str(num_steps),
+        "--speculative-eagle-topk",
+        str(topk),
+        "--speculative-num-draft-tokens",
+        str(num_draft_tokens),
+    ]
 
 
-FINAL_METHODS = {"runner": "from the same forward (SGLang's model runner in the capture worker returns the aux "
-                           "and the final states as tensors)",
-                 "tail": "from the same forward (the last layer's input, then that layer and the final norm "
-                         "in the actor)"}
+FINAL_METHODS = {
+    "runner": "from the same forward (SGLang's model runner in the capture worker returns the aux "
+    "and the final states as tensors)",
+    "tail": "from the same forward (the last layer's input, then that layer and the final norm in the actor)",
+}
 
 
 def read_text_config(spec: EngineSpec) -> dict:
@@ -125,8 +149,9 @@ class SGLangEngine:
 
         return f"sglang {version('sglang')}"
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-                 top_p: float = 1.0) -> list[tuple[list[int], str]]:
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0
+    ) -> list[tuple[list[int], str]]:
         if self._engine is None:
             if self.spec.device == "cpu":  # this process and the scheduler processes it forks
                 sys.path.insert(0, str(SHIM_DIR))
@@ -157,16 +182,25 @@ class SGLangEngine:
         self._tail = None
         if method == "tail" or (method == "runner" and num_layers - 1 in self.spec.layer_ids):
             try:
-                self._tail = FinalLayerTail(self.spec.target_path, torch_dtype(self.spec.dtype),
-                                            "cuda" if self.spec.device == "cuda" else "cpu",
-                                            self.spec.trust_remote_code)
+                self._tail = FinalLayerTail(
+                    self.spec.target_path,
+                    torch_dtype(self.spec.dtype),
+                    "cuda" if self.spec.device == "cuda" else "cpu",
+                    self.spec.trust_remote_code,
+                )
             except TailUnavailable as exc:
-                what = "capture.final_state=tail" if method == "tail" else (
-                    f"capture id {num_layers - 1} (the last layer's output, which SGLang never returns) needs "
-                    "the last layer's tail")
+                what = (
+                    "capture.final_state=tail"
+                    if method == "tail"
+                    else (
+                        f"capture id {num_layers - 1} (the last layer's output, which SGLang never returns) needs "
+                        "the last layer's tail"
+                    )
+                )
                 raise ConfigError(f"{what}: {exc}") from None
-        request, self._slots = sglang_capture_plan(self.spec.layer_ids, num_layers, model_type,
-                                                   last_input=self._tail is not None)
+        request, self._slots = sglang_capture_plan(
+            self.spec.layer_ids, num_layers, model_type, last_input=self._tail is not None
+        )
         self._num_layers, self.final_method = num_layers, method
         print(f"capture: SGLang engine for the stage; final state {FINAL_METHODS[method]}", flush=True)
         self._tmp = tempfile.TemporaryDirectory(prefix="sglang_capture_")
@@ -179,7 +213,12 @@ class SGLangEngine:
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "workflows.core.sglang_worker", str(spec_file), str(req_r), str(resp_w)],
-                env=env, cwd=ROOT, pass_fds=(req_r, resp_w), stdout=self._stderr, stderr=self._stderr)
+                env=env,
+                cwd=ROOT,
+                pass_fds=(req_r, resp_w),
+                stdout=self._stderr,
+                stderr=self._stderr,
+            )
         except BaseException:
             for fd in (req_r, req_w, resp_r, resp_w):
                 os.close(fd)
@@ -254,8 +293,9 @@ class SGLangEngine:
         with np.load(out) as data:
             if self.final_method == "runner":  # one array each for the whole call; bf16 as its bits
                 bf16 = str(data["dtype"]) == "bfloat16"
-                aux, final = (from_bf16_bits(data[key]) if bf16 else torch.from_numpy(data[key])
-                              for key in ("aux", "final"))
+                aux, final = (
+                    from_bf16_bits(data[key]) if bf16 else torch.from_numpy(data[key]) for key in ("aux", "final")
+                )
                 lens = [len(s) for s in seqs]
                 arrays = list(zip(aux.split(lens), final.split(lens)))
             else:
@@ -265,8 +305,9 @@ class SGLangEngine:
         blocks = [aux.split(H, dim=1) for aux, _ in arrays]
         last_outs, finals = [None] * len(arrays), [final for _, final in arrays]
         if self._tail is not None:
-            last_outs, tail_finals = self._tail.batch([b[self._slots[self._num_layers - 2]] for b in blocks],
-                                                      self.spec.micro_batch_tokens)
+            last_outs, tail_finals = self._tail.batch(
+                [b[self._slots[self._num_layers - 2]] for b in blocks], self.spec.micro_batch_tokens
+            )
             if self.final_method == "tail":
                 finals = tail_finals
         results = []

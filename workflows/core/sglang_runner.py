@@ -15,6 +15,7 @@ Tensor parallelism: rank 0 runs in the capture worker; ranks 1.. are processes i
 which load their shard and follow rank 0's requests, broadcast over the TP group's CPU group
 (all ranks must run every forward: the layers all-reduce).
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -29,10 +30,18 @@ def _server_args(spec: EngineSpec, request: list[int]):
     # No CUDA graphs: decode graphs never run for a prefill, and a prefill graph's replays share
     # one output buffer (each micro-batch's states would be overwritten by the next one's).
     # chunked_prefill_size = the micro-batch, so SGLang's memory plan reserves its activations.
-    args = ServerArgs(**engine_kwargs(spec, disable_radix_cache=True, enable_return_hidden_states=True,
-                                      enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
-                                      return_aux_hidden_state_layer_ids=request, disable_cuda_graph=True,
-                                      chunked_prefill_size=spec.micro_batch_tokens))
+    args = ServerArgs(
+        **engine_kwargs(
+            spec,
+            disable_radix_cache=True,
+            enable_return_hidden_states=True,
+            enable_return_aux_hidden_states=True,
+            speculative_algorithm="EAGLE3",
+            return_aux_hidden_state_layer_ids=request,
+            disable_cuda_graph=True,
+            chunked_prefill_size=spec.micro_batch_tokens,
+        )
+    )
     args.resolve_once()
     return args
 
@@ -46,8 +55,13 @@ class CaptureRunner:
         from sglang.benchmark import one_batch
 
         self._ob, self.tp_rank, self.tp_size = one_batch, tp_rank, spec.tp_size
-        one_batch.publish(server_args, role="scheduler", ranks=one_batch.SpawnRanks(
-            world_rank=one_batch.spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=0), gpu_id=tp_rank))
+        one_batch.publish(
+            server_args,
+            role="scheduler",
+            ranks=one_batch.SpawnRanks(
+                world_rank=one_batch.spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=0), gpu_id=tp_rank
+            ),
+        )
         one_batch._init_process_global_configs()
         if spec.threads:
             torch.set_num_threads(spec.threads)
@@ -77,9 +91,11 @@ class CaptureRunner:
         pool, context = runner.max_total_num_tokens, runner.model_config.context_len
         longest = max(map(len, seqs))
         if longest > min(pool, context):
-            raise ValueError(f"a sequence of {longest} tokens does not fit SGLang's KV pool of {pool} tokens "
-                             f"or the target's context of {context} (the CPU pool is 4096 tokens; on GPUs SGLang "
-                             "sizes it from its memory fraction)")
+            raise ValueError(
+                f"a sequence of {longest} tokens does not fit SGLang's KV pool of {pool} tokens "
+                f"or the target's context of {context} (the CPU pool is 4096 tokens; on GPUs SGLang "
+                "sizes it from its memory fraction)"
+            )
         outs = []
         for group in micro_batches(seqs, min(max(token_budget, 1), pool), runner.req_to_token_pool.size):
             out = self.forward(group, capture)
@@ -105,14 +121,22 @@ class CaptureRunner:
         ob, runner = self._ob, self.runner
         reqs = ob.prepare_synthetic_inputs_for_latency_test(len(seqs), 0, custom_inputs=seqs)
         # No prefix cache: every token is prefilled, so every token's state comes back.
-        cache = ob.TreeCacheNamespace(page_size=ob.get_schedule().page_size, device=runner.device,
-                                      token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator)
+        cache = ob.TreeCacheNamespace(
+            page_size=ob.get_schedule().page_size,
+            device=runner.device,
+            token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+        )
         try:
             with torch.no_grad():
                 batch = ScheduleBatch.init_new(
-                    reqs=reqs, req_to_token_pool=runner.req_to_token_pool,
-                    token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator, tree_cache=cache,
-                    model_config=runner.model_config, enable_overlap=False, spec_algorithm=SpeculativeAlgorithm.NONE)
+                    reqs=reqs,
+                    req_to_token_pool=runner.req_to_token_pool,
+                    token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
+                    tree_cache=cache,
+                    model_config=runner.model_config,
+                    enable_overlap=False,
+                    spec_algorithm=SpeculativeAlgorithm.NONE,
+                )
                 batch.prepare_for_extend()
                 ob._maybe_prepare_mlp_sync_batch(batch, runner)
                 if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:
@@ -121,8 +145,9 @@ class CaptureRunner:
                 # FULL: every token's states; NULL for the bare forward (the server's default
                 # mode is FULL, which would make the baseline pay for the capture too).
                 mode = CaptureHiddenMode.FULL if capture else CaptureHiddenMode.NULL
-                forward_batch = ForwardBatch.init_new(batch, runner, capture_hidden_mode=mode,
-                                                      return_hidden_states_before_norm=False)
+                forward_batch = ForwardBatch.init_new(
+                    batch, runner, capture_hidden_mode=mode, return_hidden_states_before_norm=False
+                )
                 out = runner.forward(forward_batch).logits_output
         finally:
             self._clear()  # the KV pool holds one call's tokens at a time
@@ -131,8 +156,10 @@ class CaptureRunner:
         total = sum(map(len, seqs))
         aux, final = out.hidden_states, out.last_hidden_states
         if aux is None or final is None or aux.shape[0] != total or final.shape[0] != total:
-            raise RuntimeError(f"SGLang's runner returned aux {None if aux is None else tuple(aux.shape)} and "
-                               f"final {None if final is None else tuple(final.shape)} states for {total} tokens")
+            raise RuntimeError(
+                f"SGLang's runner returned aux {None if aux is None else tuple(aux.shape)} and "
+                f"final {None if final is None else tuple(final.shape)} states for {total} tokens"
+            )
         return aux, final
 
     def follow(self) -> None:
@@ -172,8 +199,10 @@ def start(spec: EngineSpec, request: list[int]) -> tuple[CaptureRunner, list]:
     _set_envs_and_config(server_args)
     port_args = PortArgs.init_new(server_args)
     context = multiprocessing.get_context("spawn")  # no fork of a process that holds threads
-    followers = [context.Process(target=_follower, args=(vars(spec), request, server_args, port_args, rank),
-                                 daemon=True) for rank in range(1, spec.tp_size)]
+    followers = [
+        context.Process(target=_follower, args=(vars(spec), request, server_args, port_args, rank), daemon=True)
+        for rank in range(1, spec.tp_size)
+    ]
     for process in followers:
         process.start()
     return CaptureRunner(spec, request, server_args, port_args, 0), followers

@@ -6,6 +6,7 @@ which takes the engine's settings from workflows.core.sglang, so the engine neve
 runner back. Each request is answered with the states of its sequences in a file: with the
 runner, the aux and the final states of one forward; with the tail, the Engine's aux states.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,14 +22,16 @@ from workflows.core.sglang import engine_kwargs, exit_with_parent
 def _prefill_states(engine, seqs: list[list[int]]) -> list:
     import numpy as np
 
-    outs = engine.generate(input_ids=seqs, sampling_params={"max_new_tokens": 1, "temperature": 0},
-                           return_hidden_states=True)
+    outs = engine.generate(
+        input_ids=seqs, sampling_params={"max_new_tokens": 1, "temperature": 0}, return_hidden_states=True
+    )
     states = []
     for seq, out in zip(seqs, outs):
         prefill = np.asarray(out["meta_info"]["hidden_states"][0], dtype=np.float32)
         if prefill.shape[0] != len(seq):
-            raise RuntimeError(f"SGLang returned {prefill.shape[0]} prefill states for {len(seq)} tokens "
-                               "(radix cache on?)")
+            raise RuntimeError(
+                f"SGLang returned {prefill.shape[0]} prefill states for {len(seq)} tokens (radix cache on?)"
+            )
         states.append(prefill)
     return states
 
@@ -36,9 +39,16 @@ def _prefill_states(engine, seqs: list[list[int]]) -> list:
 def _aux_engine(spec: EngineSpec, request: list[int]):
     import sglang as sgl
 
-    return sgl.Engine(**engine_kwargs(spec, disable_radix_cache=True, enable_return_hidden_states=True,
-                                      enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
-                                      return_aux_hidden_state_layer_ids=request))
+    return sgl.Engine(
+        **engine_kwargs(
+            spec,
+            disable_radix_cache=True,
+            enable_return_hidden_states=True,
+            enable_return_aux_hidden_states=True,
+            speculative_algorithm="EAGLE3",
+            return_aux_hidden_state_layer_ids=request,
+        )
+    )
 
 
 def main(argv=None) -> None:

@@ -10,6 +10,7 @@ Metrics are a convenience: outside Ray, or if Ray's metrics cannot start, they d
     tokens = StageMetrics("capture", "tokens", total=n)   # where a stage starts its loop
     tokens.advance(k)                                     # k more units done: progress, units/s
 """
+
 from __future__ import annotations
 
 import time

@@ -5,6 +5,7 @@
 * `tiny_trained`: a tiny seeded Llama with its own BPE tokenizer, both trained in seconds on
   bundled text, for fast tests of every stage.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -79,7 +80,9 @@ def build_smollm2(spec: TargetSpec, out: Path, log: Log) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # dequantize=True: plain nn.Linear weights even where a packed-GGUF kernel is installed.
     model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+        str(gguf.parent),
+        gguf_file=gguf.name,
+        dtype=torch.float32,
         quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
     )
     _drop_gguf_quantization(model)
@@ -124,8 +127,12 @@ def build_tiny_tokenizer(vocab_size: int, corpus: Path = TINY_CORPUS) -> Any:
         )
     endoftext, im_start, im_end = TINY_SPECIAL_TOKENS
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token=im_start, eos_token=im_end, pad_token=endoftext,
-        unk_token=None, model_max_length=2**31 - 1,
+        tokenizer_object=bpe,
+        bos_token=im_start,
+        eos_token=im_end,
+        pad_token=endoftext,
+        unk_token=None,
+        model_max_length=2**31 - 1,
     )
     tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer
@@ -137,25 +144,30 @@ def build_tiny(spec: TargetSpec, out: Path, log: Log) -> None:
     if spec.model_type != "llama":
         raise ConfigError(f"target.model_type={spec.model_type!r}: source=tiny_trained builds a llama")
     tokenizer = build_tiny_tokenizer(spec.vocab_size)
-    ids = {name: tokenizer.convert_tokens_to_ids(getattr(tokenizer, f"{name}_token"))
-           for name in ("bos", "eos", "pad")}
+    ids = {name: tokenizer.convert_tokens_to_ids(getattr(tokenizer, f"{name}_token")) for name in ("bos", "eos", "pad")}
     config = LlamaConfig(
         **spec.layer_shape(),
         num_hidden_layers=spec.num_layers,
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
         tie_word_embeddings=False,
         initializer_range=TINY_INITIALIZER_RANGE,
-        bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"],
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"],
+        pad_token_id=ids["pad"],
     )
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config).to(torch_dtype(spec.dtype))
     model.generation_config = GenerationConfig(
-        bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"],
+        bos_token_id=ids["bos"],
+        eos_token_id=ids["eos"],
+        pad_token_id=ids["pad"],
     )
     loss = _pretrain_tiny(model, tokenizer, spec.seed)
-    log(f"[target] tiny llama: {spec.num_layers} layers, hidden {spec.hidden_size}, "
+    log(
+        f"[target] tiny llama: {spec.num_layers} layers, hidden {spec.hidden_size}, "
         f"vocab {spec.vocab_size} (tokenizer {len(tokenizer)}), seed {spec.seed}, "
-        f"trained {TINY_PRETRAIN['steps']} steps on {TINY_CORPUS.name} (final loss {loss:.3f})")
+        f"trained {TINY_PRETRAIN['steps']} steps on {TINY_CORPUS.name} (final loss {loss:.3f})"
+    )
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     _check_saved_tokenizer(out, CHATML_TEMPLATE)

@@ -9,6 +9,7 @@ Names are matched by suffix so that wrapped checkpoints (multimodal targets keep
 model under `language_model.`) resolve the same way; a tie (`tie_word_embeddings`) reads
 the embeddings for the head.
 """
+
 from __future__ import annotations
 
 import json

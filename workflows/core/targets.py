@@ -13,6 +13,7 @@ a provenance marker:
 Built folders are written to a temporary sibling, finished with `PREPARED.json` (written
 last), then renamed into place, so a crash never leaves a half-written folder marked done.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,14 @@ from eagle3.schema import ConfigError
 from eagle3.target_spec import TargetSpec
 from workflows.core.markers import exclusive_lock, replace_dir, write_json_atomic
 from workflows.core.provenance import PREPARED, read_hf_config, read_prepared, sha256_file
-from workflows.core.target_builders import (TINY_CORPUS, TINY_PRETRAIN, build_smollm2, build_tiny,
-                                            smollm2_gguf_path, torch_dtype)
+from workflows.core.target_builders import (
+    TINY_CORPUS,
+    TINY_PRETRAIN,
+    build_smollm2,
+    build_tiny,
+    smollm2_gguf_path,
+    torch_dtype,
+)
 
 # Bump when a builder changes what it writes: cached folders with an older version are rebuilt.
 BUILDER_VERSION = 2
@@ -43,9 +50,19 @@ Log = Callable[[str], Any]
 _BUILD_FIELDS = {
     "smollm2_gguf": ("dtype",),
     "tiny_trained": (
-        "model_type", "num_layers", "hidden_size", "vocab_size", "num_attention_heads",
-        "num_key_value_heads", "intermediate_size", "head_dim", "rms_norm_eps", "rope_theta",
-        "max_position_embeddings", "seed", "dtype",
+        "model_type",
+        "num_layers",
+        "hidden_size",
+        "vocab_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "max_position_embeddings",
+        "seed",
+        "dtype",
     ),
 }
 
@@ -85,8 +102,9 @@ def prepare_for(cfg, log: Log = print) -> Path:
     return prepare_target(cfg.target, cfg.cache_path / "targets", log=log)
 
 
-def load_target(path: str | Path, dtype: torch.dtype | str = torch.float32,
-                trust_remote_code: bool = False) -> tuple[Any, Any]:
+def load_target(
+    path: str | Path, dtype: torch.dtype | str = torch.float32, trust_remote_code: bool = False
+) -> tuple[Any, Any]:
     """(model, tokenizer) from a prepared folder: eval mode, frozen, in `dtype`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -184,9 +202,7 @@ def _prepare_hf(spec: TargetSpec, log: Log) -> Path:
             f"preset {spec.name!r}): download the checkpoint there or point target.path at it"
         )
     if not (path / "config.json").is_file():
-        raise ConfigError(
-            f"target.path={spec.path!r} has no config.json: it is not a Hugging Face checkpoint folder"
-        )
+        raise ConfigError(f"target.path={spec.path!r} has no config.json: it is not a Hugging Face checkpoint folder")
     check_checkpoint(spec, path)
     log(f"[target] using {path} as is ({spec.name}, source=hf)")
     return path
@@ -201,6 +217,7 @@ def check_checkpoint(spec: TargetSpec, folder: Path) -> None:
 
 def _check_more_fields(spec: TargetSpec, config: Mapping, text: Mapping, folder: Path) -> None:
     """Fields `TargetSpec.check_against_hf_config` leaves out but later stages rely on."""
+
     def refuse(ours: str, theirs: str, actual: Any) -> None:
         raise ConfigError(
             f"target.{ours}={getattr(spec, ours)!r} contradicts the checkpoint's {theirs}={actual!r} "

@@ -11,6 +11,7 @@ names both sides and both values. Capture ids stated in SGLang's "input of layer
 convention are converted first, and shown as stated, so `[2, 30, 58]` inputs next to
 `[-1, 2, 30]` outputs reads as the failure it is.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -18,8 +19,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3.layer_ids import (CONVENTION, from_sglang_layer_inputs, sglang_default_layer_inputs,
-                              sglang_layer_inputs)
+from eagle3.layer_ids import CONVENTION, from_sglang_layer_inputs, sglang_default_layer_inputs, sglang_layer_inputs
 from eagle3.schema import ConfigError
 from eagle3.vocab import target_ids_of
 from storage.store import HiddenStateStore
@@ -28,8 +28,18 @@ from workflows.core.markers import read_json
 from workflows.core.provenance import identity_for
 
 INPUT_CONVENTION = "input_of_layer"  # SGLang's layers_to_capture
-FIELDS = ("capture_layer_ids", "target_num_layers", "target_hidden_size", "target_vocab_size", "draft_vocab_size",
-          "vocab_map_sha256", "feature_norms", "tokenizer_sha256", "chat_template_sha256", "target_path")
+FIELDS = (
+    "capture_layer_ids",
+    "target_num_layers",
+    "target_hidden_size",
+    "target_vocab_size",
+    "draft_vocab_size",
+    "vocab_map_sha256",
+    "feature_norms",
+    "tokenizer_sha256",
+    "chat_template_sha256",
+    "target_path",
+)
 
 
 def feature_norms(norm_before_fc, fc_norm) -> str:
@@ -41,14 +51,18 @@ def check_feature_norm_weights(side: Side, names, norm_before_fc: bool, fc_norm:
     ones and silently drops a weight its config does not ask for, serving another draft."""
     names = set(names)
     want = ({"input_norm.weight"} if norm_before_fc else set()) | (
-        {f"fc_norm.{i}.weight" for i in range(num_aux)} if fc_norm else set())
+        {f"fc_norm.{i}.weight" for i in range(num_aux)} if fc_norm else set()
+    )
     have = {n for n in names if n == "input_norm.weight" or n.startswith("fc_norm.")}
     if want - have:
-        side.errors.append(f"{side.name}: {feature_norms(norm_before_fc, fc_norm)} but the weights lack "
-                           f"{sorted(want - have)}")
+        side.errors.append(
+            f"{side.name}: {feature_norms(norm_before_fc, fc_norm)} but the weights lack {sorted(want - have)}"
+        )
     if have - want:
-        side.errors.append(f"{side.name}: weights {sorted(have - want)} are not used by "
-                           f"{feature_norms(norm_before_fc, fc_norm)} (SGLang would drop them silently)")
+        side.errors.append(
+            f"{side.name}: weights {sorted(have - want)} are not used by "
+            f"{feature_norms(norm_before_fc, fc_norm)} (SGLang would drop them silently)"
+        )
 
 
 @dataclass
@@ -69,8 +83,10 @@ def set_capture_ids(side: Side, ids, convention: str | None) -> None:
         side.facts["capture_layer_ids"] = from_sglang_layer_inputs(ids)
         side.stated["capture_layer_ids"] = f"inputs of layers {ids}"
     else:
-        side.errors.append(f"{side.name}: capture ids {ids} have no known layer-id convention "
-                           f"({convention!r}; expected {CONVENTION!r} or {INPUT_CONVENTION!r})")
+        side.errors.append(
+            f"{side.name}: capture ids {ids} have no known layer-id convention "
+            f"({convention!r}; expected {CONVENTION!r} or {INPUT_CONVENTION!r})"
+        )
 
 
 def vocab_map_sha256(d2t, t2d) -> str:
@@ -94,10 +110,17 @@ def check_vocab_map(side: Side, d2t, t2d) -> None:
 
 def side_from_target(p: dict) -> Side:
     """The target's own facts, from its identity (workflows.core.provenance)."""
-    return Side(f"target ({p['path']})", {
-        "target_num_layers": p["num_layers"], "target_hidden_size": p["hidden_size"], "target_vocab_size": p["vocab_size"],
-        "tokenizer_sha256": p["tokenizer_sha256"], "chat_template_sha256": p["chat_template_sha256"],
-        "target_path": p["path"]})
+    return Side(
+        f"target ({p['path']})",
+        {
+            "target_num_layers": p["num_layers"],
+            "target_hidden_size": p["hidden_size"],
+            "target_vocab_size": p["vocab_size"],
+            "tokenizer_sha256": p["tokenizer_sha256"],
+            "chat_template_sha256": p["chat_template_sha256"],
+            "target_path": p["path"],
+        },
+    )
 
 
 def side_from_provenance(name: str, prov: dict) -> Side:
@@ -105,11 +128,20 @@ def side_from_provenance(name: str, prov: dict) -> Side:
     side = Side(name)
     target = prov.get("target", {})
     set_capture_ids(side, prov.get("capture_layer_ids"), prov.get("layer_id_convention"))
-    side.facts.update({k: v for k, v in {
-        "target_hidden_size": prov.get("hidden_size", target.get("hidden_size")),
-        "target_num_layers": target.get("num_layers"), "target_vocab_size": target.get("vocab_size"),
-        "tokenizer_sha256": target.get("tokenizer_sha256"), "chat_template_sha256": target.get("chat_template_sha256"),
-        "target_path": target.get("path")}.items() if v is not None})
+    side.facts.update(
+        {
+            k: v
+            for k, v in {
+                "target_hidden_size": prov.get("hidden_size", target.get("hidden_size")),
+                "target_num_layers": target.get("num_layers"),
+                "target_vocab_size": target.get("vocab_size"),
+                "tokenizer_sha256": target.get("tokenizer_sha256"),
+                "chat_template_sha256": target.get("chat_template_sha256"),
+                "target_path": target.get("path"),
+            }.items()
+            if v is not None
+        }
+    )
     return side
 
 
@@ -119,18 +151,27 @@ def side_from_draft(folder: Path) -> Side:
     side = side_from_provenance(f"draft checkpoint ({folder})", read_json(folder / "provenance.json"))
     cfg = read_json(folder / "draft_config.json")
     if side.facts.get("capture_layer_ids") not in (None, cfg["capture_layer_ids"]):
-        side.errors.append(f"{side.name}: provenance.json capture_layer_ids={side.facts['capture_layer_ids']} but "
-                           f"draft_config.json capture_layer_ids={cfg['capture_layer_ids']}")
-    side.facts.update({"target_hidden_size": cfg["target_hidden_size"], "target_vocab_size": cfg["vocab_size"],
-                       "target_num_layers": cfg["target_num_layers"]})
+        side.errors.append(
+            f"{side.name}: provenance.json capture_layer_ids={side.facts['capture_layer_ids']} but "
+            f"draft_config.json capture_layer_ids={cfg['capture_layer_ids']}"
+        )
+    side.facts.update(
+        {
+            "target_hidden_size": cfg["target_hidden_size"],
+            "target_vocab_size": cfg["vocab_size"],
+            "target_num_layers": cfg["target_num_layers"],
+        }
+    )
     w = load_file(str(folder / "draft.safetensors"))
     check_vocab_map(side, w["d2t"], w["t2d"])
     flags = (cfg.get("norm_before_fc", False), cfg.get("fc_norm", False))
     side.facts["feature_norms"] = feature_norms(*flags)
     check_feature_norm_weights(side, w, *flags, len(cfg["capture_layer_ids"]))
     if cfg["draft_vocab_size"] != side.facts["draft_vocab_size"]:
-        side.errors.append(f"{side.name}: draft_config.json draft_vocab_size={cfg['draft_vocab_size']} but d2t has "
-                           f"{side.facts['draft_vocab_size']} rows")
+        side.errors.append(
+            f"{side.name}: draft_config.json draft_vocab_size={cfg['draft_vocab_size']} but d2t has "
+            f"{side.facts['draft_vocab_size']} rows"
+        )
     return side
 
 
@@ -138,16 +179,26 @@ def side_from_store(url: str, prov: dict) -> Side:
     """A hidden-state store's provenance (the capture contract, workflows.core.provenance)."""
     side = Side(f"hidden-state store ({url})")
     set_capture_ids(side, prov.get("capture_layer_ids"), prov.get("layer_id_convention"))
-    side.facts.update({k: v for k, v in {
-        "target_hidden_size": prov.get("hidden_size"), "target_num_layers": prov.get("num_layers"),
-        "target_vocab_size": (prov.get("target") or {}).get("vocab_size"),
-        "tokenizer_sha256": prov.get("tokenizer_sha256"), "chat_template_sha256": prov.get("chat_template_sha256"),
-        "target_path": prov.get("target_path")}.items() if v is not None})
+    side.facts.update(
+        {
+            k: v
+            for k, v in {
+                "target_hidden_size": prov.get("hidden_size"),
+                "target_num_layers": prov.get("num_layers"),
+                "target_vocab_size": (prov.get("target") or {}).get("vocab_size"),
+                "tokenizer_sha256": prov.get("tokenizer_sha256"),
+                "chat_template_sha256": prov.get("chat_template_sha256"),
+                "target_path": prov.get("target_path"),
+            }.items()
+            if v is not None
+        }
+    )
     return side
 
 
-def side_from_sglang_export(folder: Path, target_num_layers: int | None = None,
-                            target_model_type: str = "llama") -> Side:
+def side_from_sglang_export(
+    folder: Path, target_num_layers: int | None = None, target_model_type: str = "llama"
+) -> Side:
     """What SGLang will really capture for an export: its eagle_config ids read by the rule
     of the target's model family, or its default layers when the config names none."""
     from safetensors.torch import load_file
@@ -160,34 +211,51 @@ def side_from_sglang_export(folder: Path, target_num_layers: int | None = None,
     if ids is not None:
         inputs = sglang_layer_inputs(ids, target_model_type)
         set_capture_ids(side, inputs, INPUT_CONVENTION)
-        side.stated["capture_layer_ids"] += (f" for a {target_model_type} target, from "
-                                             f"eagle_aux_hidden_state_layer_ids={ids}")
+        side.stated["capture_layer_ids"] += (
+            f" for a {target_model_type} target, from eagle_aux_hidden_state_layer_ids={ids}"
+        )
         if n and n - 1 in ids:
-            side.errors.append(f"{side.name}: eagle_aux_hidden_state_layer_ids={ids} names id {n - 1}, the last layer's "
-                               f"output, which SGLang cannot capture (no layer {n} has it as input)")
+            side.errors.append(
+                f"{side.name}: eagle_aux_hidden_state_layer_ids={ids} names id {n - 1}, the last layer's "
+                f"output, which SGLang cannot capture (no layer {n} has it as input)"
+            )
     elif n:
         set_capture_ids(side, sglang_default_layer_inputs(n), INPUT_CONVENTION)
         side.stated["capture_layer_ids"] += "; SGLang's default: config.json names no eagle_aux_hidden_state_layer_ids"
     else:
         side.errors.append(f"{side.name}: config.json has no eagle_config.eagle_aux_hidden_state_layer_ids")
     if cfg.get("architectures") != ["LlamaForCausalLMEagle3"]:
-        side.errors.append(f"{side.name}: architectures={cfg.get('architectures')}, SGLang needs "
-                           "['LlamaForCausalLMEagle3'] for an EAGLE-3 draft")
-    side.facts.update({k: v for k, v in {
-        "target_hidden_size": cfg.get("target_hidden_size", cfg.get("hidden_size")),
-        "target_vocab_size": cfg.get("vocab_size"), "tokenizer_sha256": ours.get("tokenizer_sha256"),
-        "chat_template_sha256": ours.get("chat_template_sha256"), "target_path": ours.get("target_path")}.items()
-        if v is not None})
+        side.errors.append(
+            f"{side.name}: architectures={cfg.get('architectures')}, SGLang needs "
+            "['LlamaForCausalLMEagle3'] for an EAGLE-3 draft"
+        )
+    side.facts.update(
+        {
+            k: v
+            for k, v in {
+                "target_hidden_size": cfg.get("target_hidden_size", cfg.get("hidden_size")),
+                "target_vocab_size": cfg.get("vocab_size"),
+                "tokenizer_sha256": ours.get("tokenizer_sha256"),
+                "chat_template_sha256": ours.get("chat_template_sha256"),
+                "target_path": ours.get("target_path"),
+            }.items()
+            if v is not None
+        }
+    )
     w = load_file(str(folder / "model.safetensors"))
     check_vocab_map(side, w["d2t"], w["t2d"])
     # SGLang's own reading of the flags (models/llama_eagle3.py in 0.5.23).
-    flags = (bool((cfg.get("eagle_config") or {}).get("norm_before_fc", cfg.get("norm_before_fc", False))),
-             bool(cfg.get("fc_norm") or cfg.get("use_aux_norm", False)))
+    flags = (
+        bool((cfg.get("eagle_config") or {}).get("norm_before_fc", cfg.get("norm_before_fc", False))),
+        bool(cfg.get("fc_norm") or cfg.get("use_aux_norm", False)),
+    )
     side.facts["feature_norms"] = feature_norms(*flags)
     check_feature_norm_weights(side, w, *flags, len(ids) if ids is not None else 3)
     if cfg.get("draft_vocab_size") != side.facts["draft_vocab_size"]:
-        side.errors.append(f"{side.name}: config.json draft_vocab_size={cfg.get('draft_vocab_size')} but d2t has "
-                           f"{side.facts['draft_vocab_size']} rows")
+        side.errors.append(
+            f"{side.name}: config.json draft_vocab_size={cfg.get('draft_vocab_size')} but d2t has "
+            f"{side.facts['draft_vocab_size']} rows"
+        )
     return side
 
 
@@ -197,16 +265,23 @@ def side_from_vllm_export(folder: Path) -> Side:
     indices = cfg.get("eagle_aux_hidden_state_layer_ids")
     if indices is not None:  # vLLM's numbering: index L = the input of layer L (layer_ids.to_vllm_aux_layer_ids)
         set_capture_ids(side, indices, INPUT_CONVENTION)
-        side.stated["capture_layer_ids"] = (f"vLLM's eagle_aux_hidden_state_layer_ids={list(indices)}, "
-                                            "index L = the input of layer L")
+        side.stated["capture_layer_ids"] = (
+            f"vLLM's eagle_aux_hidden_state_layer_ids={list(indices)}, index L = the input of layer L"
+        )
     else:
-        side.errors.append(f"{side.name}: config.json has no eagle_aux_hidden_state_layer_ids (vLLM would capture "
-                           "its default layers)")
+        side.errors.append(
+            f"{side.name}: config.json has no eagle_aux_hidden_state_layer_ids (vLLM would capture its default layers)"
+        )
     layer = cfg.get("transformer_layer_config", {})
-    side.facts.update({"target_hidden_size": cfg.get("target_hidden_size") or layer.get("hidden_size"),
-                       "target_vocab_size": layer.get("vocab_size"), "draft_vocab_size": cfg.get("draft_vocab_size"),
-                       "feature_norms": feature_norms(cfg.get("norm_before_fc"), cfg.get("fc_norm")),
-                       "target_path": str(Path(cfg["speculators_config"]["verifier"]["name_or_path"]).resolve())})
+    side.facts.update(
+        {
+            "target_hidden_size": cfg.get("target_hidden_size") or layer.get("hidden_size"),
+            "target_vocab_size": layer.get("vocab_size"),
+            "draft_vocab_size": cfg.get("draft_vocab_size"),
+            "feature_norms": feature_norms(cfg.get("norm_before_fc"), cfg.get("fc_norm")),
+            "target_path": str(Path(cfg["speculators_config"]["verifier"]["name_or_path"]).resolve()),
+        }
+    )
     return side
 
 
@@ -240,9 +315,15 @@ def raise_on_errors(errors: list[str]) -> None:
 
 def sides_for_run(cfg, target_path: Path, with_export: bool = True) -> list[Side]:
     """The config, the target and every artefact of the run that exists."""
-    config = Side(f"config (target={cfg.target.name})", {
-        "capture_layer_ids": cfg.target.capture_ids, "target_hidden_size": cfg.target.hidden_size,
-        "target_num_layers": cfg.target.num_layers, "target_vocab_size": cfg.target.vocab_size})
+    config = Side(
+        f"config (target={cfg.target.name})",
+        {
+            "capture_layer_ids": cfg.target.capture_ids,
+            "target_hidden_size": cfg.target.hidden_size,
+            "target_num_layers": cfg.target.num_layers,
+            "target_vocab_size": cfg.target.vocab_size,
+        },
+    )
     sides = [config, side_from_target(identity_for(cfg, target_path))]
     layout = RunLayout.of(cfg)
     if layout.done_key("capture") is not None:

@@ -44,7 +44,7 @@ Modules: `stage` (the run), `decoding` (offline walk, reference decoder, tempera
 `served` (the served check), `report` (report.md and the plots).
 
     python -m workflows.evaluate target=tiny run_dir=runs/tiny"""
-from workflows.evaluate.decoding import (at_temperature, decode_all, decode_sampled, divergence,  # noqa: F401
-                                         offline_acceptance)
+
+from workflows.evaluate.decoding import at_temperature, decode_all, decode_sampled, divergence, offline_acceptance  # noqa: F401
 from workflows.evaluate.report import by_bucket, markdown  # noqa: F401
 from workflows.evaluate.stage import evaluation_dtype, heldout_rows, run  # noqa: F401

@@ -1,4 +1,5 @@
 """python -m workflows.evaluate [overrides]: the evaluate stage alone."""
+
 from workflows.core.cli import stage_main
 from workflows.evaluate.stage import run
 

@@ -2,6 +2,7 @@
 outputs, decoding against plain decoding (greedy: token for token, with each divergence
 explained; sampled: pooled over seeds with a standard error), and the offline expectation
 at a sampling temperature."""
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,9 @@ def offline_acceptance(draft, head, groups, batches, k: int) -> tuple[Acceptance
     for group, batch in zip(groups, batches):
         scores = forward_batch(draft, head, batch, TTTConfig(length=k), train=False)
         for i in range(len(group)):
-            acc = acceptance(scores.correct[i : i + 1], batch["loss_mask"][i : i + 1],
-                             batch["attention_mask"][i : i + 1], k)
+            acc = acceptance(
+                scores.correct[i : i + 1], batch["loss_mask"][i : i + 1], batch["attention_mask"][i : i + 1], k
+            )
             per_row.append(acc)
             total = total.merge(acc)
     return total, per_row
@@ -42,22 +44,50 @@ def divergence(prompt_id, decoded: list[int], greedy: list[int], margins: list[t
     at = next((i for i, (a, b) in enumerate(zip(decoded, greedy)) if a != b), min(len(decoded), len(greedy)))
     top, margin = margins[at] if at < len(margins) else (float("nan"), float("nan"))
     resolution = TIE_ULPS * torch.finfo(dtype).eps * max(1.0, abs(top))
-    return {"prompt": prompt_id, "position": at, "decoded": decoded[at] if at < len(decoded) else None,
-            "greedy": greedy[at] if at < len(greedy) else None, "top_logit": top, "top2_margin": margin,
-            "resolution": resolution, "dtype": str(dtype).removeprefix("torch."),
-            "kind": "numerical tie" if margin <= resolution else "defect"}
+    return {
+        "prompt": prompt_id,
+        "position": at,
+        "decoded": decoded[at] if at < len(decoded) else None,
+        "greedy": greedy[at] if at < len(greedy) else None,
+        "top_logit": top,
+        "top2_margin": margin,
+        "resolution": resolution,
+        "dtype": str(dtype).removeprefix("torch."),
+        "kind": "numerical tie" if margin <= resolution else "defect",
+    }
 
 
-def decode_all(model, draft, rows, capture_ids, num_steps, topk, num_draft_tokens, eos,
-               sglang_compatible: bool = False, temperature: float = 0.0, seed: int = 0, plain: bool = True) -> dict:
+def decode_all(
+    model,
+    draft,
+    rows,
+    capture_ids,
+    num_steps,
+    topk,
+    num_draft_tokens,
+    eos,
+    sglang_compatible: bool = False,
+    temperature: float = 0.0,
+    seed: int = 0,
+    plain: bool = True,
+) -> dict:
     """The reference decoder on each row's prompt, for its answer's length, against plain
     decoding: greedy at temperature 0 (then `lossless` is token for token), else sampled
     from generators seeded by `seed` (then only the distributions agree, and `lossless` and
     `text_agreement` are None). `plain=False` skips plain decoding (no speed-up, no
     comparison): what a sampled acceptance figure needs."""
     sample = torch.Generator(device=model.device).manual_seed(seed)
-    decoder = SpeculativeDecoder(model, Eagle3Drafter(draft, sglang_compatible), capture_ids, num_steps, topk,
-                                 num_draft_tokens, eos, temperature=temperature, generator=sample)
+    decoder = SpeculativeDecoder(
+        model,
+        Eagle3Drafter(draft, sglang_compatible),
+        capture_ids,
+        num_steps,
+        topk,
+        num_draft_tokens,
+        eos,
+        temperature=temperature,
+        generator=sample,
+    )
     plain_sample = torch.Generator(device=model.device).manual_seed(seed + 1)
     gained = forwards = accepted_uncut = 0
     slots = SlotCounts.zeros(num_steps)
@@ -70,8 +100,9 @@ def decode_all(model, draft, rows, capture_ids, num_steps, topk, num_draft_token
             res = decoder.generate(prompt, len(answer))
             if plain:
                 margins = [] if temperature == 0 else None  # top-2 margins explain a greedy divergence only
-                reference, t_plain = greedy_decode(model, prompt, len(answer), eos, margins=margins,
-                                                   temperature=temperature, generator=plain_sample)
+                reference, t_plain = greedy_decode(
+                    model, prompt, len(answer), eos, margins=margins, temperature=temperature, generator=plain_sample
+                )
                 greedy.append(reference)
                 lossless &= res.tokens == reference
                 if temperature == 0 and res.tokens != reference:
@@ -83,36 +114,61 @@ def decode_all(model, draft, rows, capture_ids, num_steps, topk, num_draft_token
             accepted_uncut += res.accepted_uncut
             slots = slots.merge(res.slots)
             spec_s += res.seconds
-            per_row.append({"id": r["id"], "prompt_tokens": s, "acceptance": res.acceptance_length,
-                            "gained": res.gained, "passes": res.target_forwards, "tokens": len(res.tokens),
-                            "accepted_uncut": res.accepted_uncut})
+            per_row.append(
+                {
+                    "id": r["id"],
+                    "prompt_tokens": s,
+                    "acceptance": res.acceptance_length,
+                    "gained": res.gained,
+                    "passes": res.target_forwards,
+                    "tokens": len(res.tokens),
+                    "accepted_uncut": res.accepted_uncut,
+                }
+            )
     finally:
         decoder.target.close()
     tokens = sum(p["tokens"] for p in per_row)
     return {
-        "acceptance": gained / forwards if forwards else float("nan"), "target_forwards": forwards,
+        "acceptance": gained / forwards if forwards else float("nan"),
+        "target_forwards": forwards,
         # SGLang's figure: completion tokens (the prefill's token included) / verify passes.
         "acceptance_sglang": tokens / forwards if forwards else float("nan"),
         # vLLM's figure: (accepted drafts + passes) / passes, accepted drafts counted before the
         # cut at the answer's length (vLLM counts them so).
         "acceptance_vllm": (accepted_uncut + forwards) / forwards if forwards else float("nan"),
         "per_position_acceptance": slots.rate,
-        "lossless": bool(lossless) if temperature == 0 and plain else None, "divergences": divergences,
+        "lossless": bool(lossless) if temperature == 0 and plain else None,
+        "divergences": divergences,
         "text_agreement": (agree / total if total else float("nan")) if temperature == 0 and plain else None,
         "tokens_per_s_spec": tokens / spec_s,
         "tokens_per_s_plain": tokens / plain_s if plain else float("nan"),
-        "speedup": plain_s / spec_s if plain else float("nan"), "per_row": per_row, "greedy": greedy,
+        "speedup": plain_s / spec_s if plain else float("nan"),
+        "per_row": per_row,
+        "greedy": greedy,
     }
 
 
-def decode_sampled(model, draft, rows, ids, num_steps, topk, num_draft_tokens, eos, temperature: float,
-                   seeds: list[int]) -> dict:
+def decode_sampled(
+    model, draft, rows, ids, num_steps, topk, num_draft_tokens, eos, temperature: float, seeds: list[int]
+) -> dict:
     """The reference decoder sampling at `temperature`, once per seed: acceptance pooled over
     prompts and seeds, with its standard error, per definition (ours, SGLang's, vLLM's)."""
     runs = {"tokens_per_pass": [], "sglang": [], "vllm": []}
     for seed in seeds:
-        dec = decode_all(model, draft, rows, ids, num_steps, topk, num_draft_tokens, eos,
-                         sglang_compatible=topk > 1, temperature=temperature, seed=seed, plain=False)
+        dec = decode_all(
+            model,
+            draft,
+            rows,
+            ids,
+            num_steps,
+            topk,
+            num_draft_tokens,
+            eos,
+            sglang_compatible=topk > 1,
+            temperature=temperature,
+            seed=seed,
+            plain=False,
+        )
         for p in dec["per_row"]:
             runs["tokens_per_pass"].append((p["gained"], p["passes"]))
             runs["sglang"].append((p["tokens"], p["passes"]))
@@ -133,8 +189,16 @@ def at_temperature(cfg: FullConfig, model, draft, head, rows, batches, ids, eos)
         sums, counts = sums + s, counts + c
     rates = (sums / counts.clamp_min(1)).tolist()
     figures = decode_sampled(model, draft, rows, ids, k, e.topk, e.num_draft_tokens, eos, e.temperature, e.seeds)
-    log(f"evaluate: at temperature {e.temperature:g}: offline expectation {expected_acceptance_length(rates):.3f}, "
-        f"decoded {figures['tokens_per_pass']['value']:.3f} +- {1.96 * figures['tokens_per_pass']['standard_error']:.3f} "
-        f"({len(e.seeds)} seeds x {len(rows)} prompts)")
-    return {"temperature": e.temperature, "seeds": list(e.seeds), "per_step_acceptance_rate_offline": rates,
-            "acceptance_offline_expected": expected_acceptance_length(rates), "decoded": figures}
+    log(
+        f"evaluate: at temperature {e.temperature:g}: offline expectation {expected_acceptance_length(rates):.3f}, "
+        f"decoded {figures['tokens_per_pass']['value']:.3f} "
+        f"+- {1.96 * figures['tokens_per_pass']['standard_error']:.3f} "
+        f"({len(e.seeds)} seeds x {len(rows)} prompts)"
+    )
+    return {
+        "temperature": e.temperature,
+        "seeds": list(e.seeds),
+        "per_step_acceptance_rate_offline": rates,
+        "acceptance_offline_expected": expected_acceptance_length(rates),
+        "decoded": figures,
+    }

@@ -1,4 +1,5 @@
 """The evaluate stage's report: acceptance by prompt length, the plots, report.md."""
+
 from __future__ import annotations
 
 import bisect
@@ -35,10 +36,18 @@ def plot(report: dict, folder: Path) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     buckets = list(report["acceptance_by_prompt_length_decoded"])
-    ax.bar([i - 0.2 for i in range(len(buckets))],
-           [report["acceptance_by_prompt_length_offline"].get(b) or 0 for b in buckets], 0.4, label="offline")
-    ax.bar([i + 0.2 for i in range(len(buckets))],
-           [report["acceptance_by_prompt_length_decoded"][b] for b in buckets], 0.4, label="decoded")
+    ax.bar(
+        [i - 0.2 for i in range(len(buckets))],
+        [report["acceptance_by_prompt_length_offline"].get(b) or 0 for b in buckets],
+        0.4,
+        label="offline",
+    )
+    ax.bar(
+        [i + 0.2 for i in range(len(buckets))],
+        [report["acceptance_by_prompt_length_decoded"][b] for b in buckets],
+        0.4,
+        label="decoded",
+    )
     ax.set_xticks(range(len(buckets)), buckets)
     ax.set(xlabel="prompt tokens", ylabel="tokens per target pass", title="Acceptance by prompt length")
     ax.legend()
@@ -55,66 +64,95 @@ def plot(report: dict, folder: Path) -> list[str]:
 
 def markdown(r: dict, plots: list[str]) -> str:
     lines = [
-        "# EAGLE-3 acceptance report", "",
+        "# EAGLE-3 acceptance report",
+        "",
         f"Draft `{r['draft']}` on target `{r['target']}`; {r['prompts']} held-out answers "
-        f"(up to {r['max_new_tokens']} tokens each), k = {r['num_steps']} draft tokens per pass, topk = {r['topk']}.", "",
-        "| figure | value |", "|---|---|",
+        f"(up to {r['max_new_tokens']} tokens each), k = {r['num_steps']} draft tokens per pass, topk = {r['topk']}.",
+        "",
+        "| figure | value |",
+        "|---|---|",
         f"| acceptance offline (walk over TTT outputs) | {r['acceptance_offline']:.3f} |",
-        f"| acceptance offline, per-position average (overestimates) | {r['acceptance_offline_per_position_average']:.3f} |",
+        "| acceptance offline, per-position average (overestimates) | "
+        f"{r['acceptance_offline_per_position_average']:.3f} |",
         f"| acceptance decoded (tokens per target pass) | {r['acceptance_decoded']:.3f} |",
         f"| acceptance decoded, SGLang's definition (completion tokens / verify passes, the prefill's token "
         f"included; compare served `accept_length` with this) | {r['acceptance_decoded_sglang_definition']:.3f} |",
         f"| parity ratio offline / decoded | {r['parity_ratio']:.3f} |",
         f"| lossless (decoded == plain greedy on every prompt) | {r['lossless']} |",
-        *[f"| diverged from greedy: prompt {d['prompt']} at token {d['position']} ({d['decoded']} for {d['greedy']}), "
-          f"target's top-2 margin {d['top2_margin']:.3g} vs {d['dtype']} resolution {d['resolution']:.3g} | "
-          f"{d['kind']} |" for d in r.get("divergences", [])],
+        *[
+            f"| diverged from greedy: prompt {d['prompt']} at token {d['position']} "
+            f"({d['decoded']} for {d['greedy']}), "
+            f"target's top-2 margin {d['top2_margin']:.3g} vs {d['dtype']} resolution {d['resolution']:.3g} | "
+            f"{d['kind']} |"
+            for d in r.get("divergences", [])
+        ],
         f"| target's greedy text == stored answer | {r['text_agreement']:.3f} |",
         f"| tokens/s plain / speculative | {r['tokens_per_s_plain']:.1f} / {r['tokens_per_s_decoded']:.1f} |",
         f"| speed-up of the reference decoder | {r['speedup_decoded']:.2f} |",
     ]
     if "sglang_draft_attention" in r:
         s = r["sglang_draft_attention"]
-        lines.append(f"| acceptance decoded with SGLang's tree-draft attention (frontier-rank KV slots): tokens per "
-                     f"pass / SGLang's definition / lossless | {s['acceptance_decoded']:.3f} / "
-                     f"{s['acceptance_decoded_sglang_definition']:.3f} / {s['lossless']} |")
+        lines.append(
+            f"| acceptance decoded with SGLang's tree-draft attention (frontier-rank KV slots): tokens per "
+            f"pass / SGLang's definition / lossless | {s['acceptance_decoded']:.3f} / "
+            f"{s['acceptance_decoded_sglang_definition']:.3f} / {s['lossless']} |"
+        )
     if "acceptance_decoded_tree" in r:
-        lines.append(f"| tree (topk={r['tree_topk']}, num_draft_tokens={r['tree_num_draft_tokens']}): acceptance / "
-                     f"speed-up / lossless | {r['acceptance_decoded_tree']:.3f} / {r['speedup_decoded_tree']:.2f} / "
-                     f"{r['lossless_tree']} |")
+        lines.append(
+            f"| tree (topk={r['tree_topk']}, num_draft_tokens={r['tree_num_draft_tokens']}): acceptance / "
+            f"speed-up / lossless | {r['acceptance_decoded_tree']:.3f} / {r['speedup_decoded_tree']:.2f} / "
+            f"{r['lossless_tree']} |"
+        )
     if "at_temperature" in r:
         t = r["at_temperature"]
         d = t["decoded"]["tokens_per_pass"]
-        lines.append(f"| at temperature {t['temperature']:g}: offline expectation / decoded (+- 1.96 se, "
-                     f"{len(t['seeds'])} seeds) | {t['acceptance_offline_expected']:.3f} / {d['value']:.3f} +- "
-                     f"{1.96 * d['standard_error']:.3f} |")
+        lines.append(
+            f"| at temperature {t['temperature']:g}: offline expectation / decoded (+- 1.96 se, "
+            f"{len(t['seeds'])} seeds) | {t['acceptance_offline_expected']:.3f} / {d['value']:.3f} +- "
+            f"{1.96 * d['standard_error']:.3f} |"
+        )
     for engine, c in r.get("served", {}).items():
         if "accept_length" in c:
             flag = "" if c["matches_prediction"] else " **(not as predicted)**"
-            lines.append(f"| served by {c['engine']} ({c['device']}, {c['dtype']}): accept length in its definition / "
-                         f"predicted ({c['predicted_from']}) / ratio / identical to greedy{flag} | "
-                         f"{c['accept_length']:.3f} / {c['predicted']:.3f} / {c['served_over_predicted']:.3f} / "
-                         f"{c['identical_to_greedy']} of {c['prompts']} |")
+            lines.append(
+                f"| served by {c['engine']} ({c['device']}, {c['dtype']}): accept length in its definition / "
+                f"predicted ({c['predicted_from']}) / ratio / identical to greedy{flag} | "
+                f"{c['accept_length']:.3f} / {c['predicted']:.3f} / {c['served_over_predicted']:.3f} / "
+                f"{c['identical_to_greedy']} of {c['prompts']} |"
+            )
             if "range95" in c.get("sampled", {}):
                 t = c["sampled"]
-                lines.append(f"| served by {c['engine']} at temperature {t['temperature']:g}: accept length / predicted "
-                             f"(95% range of a second estimate) | {t['accept_length']:.3f} / {t['predicted']:.3f} "
-                             f"({t['range95'][0]:.3f}-{t['range95'][1]:.3f}){'' if t['within'] else ' **outside**'} |")
+                lines.append(
+                    f"| served by {c['engine']} at temperature {t['temperature']:g}: accept length / predicted "
+                    f"(95% range of a second estimate) | {t['accept_length']:.3f} / {t['predicted']:.3f} "
+                    f"({t['range95'][0]:.3f}-{t['range95'][1]:.3f}){'' if t['within'] else ' **outside**'} |"
+                )
         else:
             lines.append(f"| served by {engine} | {c.get('skipped') or c['error'].splitlines()[0]} |")
     for c, b in r.get("served_benchmark", {}).get("results", {}).items():
-        lines.append(f"| served ({r['served_benchmark']['api']}), concurrency {c}: tokens/s, accept length | "
-                     f"{b['tokens_per_s_mean']:.1f}, {b['accept_length']} |")
-    lines += ["", "Per-position acceptance (P(accepted | reached)), offline vs decoded: "
-              f"{[round(x, 3) for x in r['per_position_acceptance_offline']]} vs "
-              f"{[round(x, 3) for x in r['per_position_acceptance']]}", ""]
+        lines.append(
+            f"| served ({r['served_benchmark']['api']}), concurrency {c}: tokens/s, accept length | "
+            f"{b['tokens_per_s_mean']:.1f}, {b['accept_length']} |"
+        )
+    lines += [
+        "",
+        "Per-position acceptance (P(accepted | reached)), offline vs decoded: "
+        f"{[round(x, 3) for x in r['per_position_acceptance_offline']]} vs "
+        f"{[round(x, 3) for x in r['per_position_acceptance']]}",
+        "",
+    ]
     if "acceptance_offline_float32" in r:
         flag = " **(more than 2% apart)**" if r["dtype_gap_flagged"] else ""
-        lines.append(f"| acceptance offline in {r['dtype']} / in float32{flag} | {r['acceptance_offline']:.3f} / "
-                     f"{r['acceptance_offline_float32']:.3f} |")
-    lines += [f"These figures hold for SGLang serving with `{' '.join(r['serve_args'])}` "
-              f"(`python -m workflows.tools.serve` defaults to them). Target and draft computed in {r['dtype']}: "
-              f"{r.get('dtype_reason', '')}; served in {r.get('serving_dtype', r['dtype'])}.", ""]
+        lines.append(
+            f"| acceptance offline in {r['dtype']} / in float32{flag} | {r['acceptance_offline']:.3f} / "
+            f"{r['acceptance_offline_float32']:.3f} |"
+        )
+    lines += [
+        f"These figures hold for SGLang serving with `{' '.join(r['serve_args'])}` "
+        f"(`python -m workflows.tools.serve` defaults to them). Target and draft computed in {r['dtype']}: "
+        f"{r.get('dtype_reason', '')}; served in {r.get('serving_dtype', r['dtype'])}.",
+        "",
+    ]
     if "ablation" in r:
         lines += [r["ablation"], ""]
     lines += [f"![{p}]({p})" for p in plots]

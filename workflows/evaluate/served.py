@@ -1,5 +1,6 @@
 """The evaluate stage's served check: the exported draft served by the real engines
 (workflows.core.serving) with the report's drafting, dtype and prompts."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,8 +13,17 @@ from workflows.core.markers import read_marker
 from workflows.core.serving import ENGINES, ServeJob, available_engines, served_check, verdict
 
 
-def served_checks(cfg: FullConfig, layout: RunLayout, target_path: Path, rows: list[dict], greedy: list[list[int]],
-                  report: dict, dtype: str, eos: list[int], device: str) -> dict:
+def served_checks(
+    cfg: FullConfig,
+    layout: RunLayout,
+    target_path: Path,
+    rows: list[dict],
+    greedy: list[list[int]],
+    report: dict,
+    dtype: str,
+    eos: list[int],
+    device: str,
+) -> dict:
     """The exported draft served by each engine of `evaluate.served` with the report's
     drafting and dtype, on the prompts just decoded, beside the prediction in that engine's
     definition (workflows.core.serving). An engine named explicitly must serve; under
@@ -24,16 +34,23 @@ def served_checks(cfg: FullConfig, layout: RunLayout, target_path: Path, rows: l
     required = e.served != "auto"
     export = (read_marker(layout.stage_dir("export")) or {}).get("summary", {})
     folders = {"sglang": layout.sglang_export, "vllm": layout.vllm_export}
-    predicted = {"sglang": ("acceptance_decoded_sglang_definition", report["acceptance_decoded_sglang_definition"]),
-                 "vllm": ("acceptance_decoded_vllm_definition", report["acceptance_decoded_vllm_definition"])}
+    predicted = {
+        "sglang": ("acceptance_decoded_sglang_definition", report["acceptance_decoded_sglang_definition"]),
+        "vllm": ("acceptance_decoded_vllm_definition", report["acceptance_decoded_vllm_definition"]),
+    }
     if e.topk > 1 and "sglang_draft_attention" in report:  # SGLang drafts trees with its own attention
-        predicted["sglang"] = ("sglang_draft_attention.acceptance_decoded_sglang_definition",
-                               report["sglang_draft_attention"]["acceptance_decoded_sglang_definition"])
+        predicted["sglang"] = (
+            "sglang_draft_attention.acceptance_decoded_sglang_definition",
+            report["sglang_draft_attention"]["acceptance_decoded_sglang_definition"],
+        )
     have, checks = available_engines(e.vllm_python, device), {}
-    for engine in (ENGINES if e.served == "auto" else (e.served,)):
+    for engine in ENGINES if e.served == "auto" else (e.served,):
         if engine not in have:
-            why = "vLLM is not installed (make setup makes .venv-vllm; or set evaluate.vllm_python)" \
-                if engine == "vllm" else "SGLang is not installed (pip install -e .[sglang])"
+            why = (
+                "vLLM is not installed (make setup makes .venv-vllm; or set evaluate.vllm_python)"
+                if engine == "vllm"
+                else "SGLang is not installed (pip install -e .[sglang])"
+            )
         elif export.get("train_key") != layout.done_key("train") or engine not in export.get("formats", []):
             why = f"no {engine} export of this draft (run the export stage: stages=[export,evaluate])"
         elif engine == "vllm" and e.topk > 1:  # served=auto only: naming vllm is refused by the config
@@ -46,18 +63,37 @@ def served_checks(cfg: FullConfig, layout: RunLayout, target_path: Path, rows: l
             log(f"evaluate: not served by {engine}: {why}")
             checks[engine] = {"skipped": why}
             continue
-        job = ServeJob(engine=engine, target_path=str(target_path), draft_path=str(folders[engine]),
-                       num_steps=report["num_steps"], topk=report["topk"],
-                       num_draft_tokens=report["num_draft_tokens"],
-                       prompts=[r["input_ids"][: r["loss_mask"].index(1)] for r in rows],
-                       max_new_tokens=[len(r["loss_mask"]) - r["loss_mask"].index(1) for r in rows], eos=eos,
-                       dtype=dtype, device=device, tp_size=cfg.target.tp_size,
-                       seed=cfg.seed, trust_remote_code=cfg.target.trust_remote_code, timeout_s=e.served_timeout_s,
-                       sampled_temperature=e.temperature, sampled_seeds=list(e.seeds) if e.temperature > 0 else [])
+        job = ServeJob(
+            engine=engine,
+            target_path=str(target_path),
+            draft_path=str(folders[engine]),
+            num_steps=report["num_steps"],
+            topk=report["topk"],
+            num_draft_tokens=report["num_draft_tokens"],
+            prompts=[r["input_ids"][: r["loss_mask"].index(1)] for r in rows],
+            max_new_tokens=[len(r["loss_mask"]) - r["loss_mask"].index(1) for r in rows],
+            eos=eos,
+            dtype=dtype,
+            device=device,
+            tp_size=cfg.target.tp_size,
+            seed=cfg.seed,
+            trust_remote_code=cfg.target.trust_remote_code,
+            timeout_s=e.served_timeout_s,
+            sampled_temperature=e.temperature,
+            sampled_seeds=list(e.seeds) if e.temperature > 0 else [],
+        )
         sampled = report.get("at_temperature", {}).get("decoded", {}).get(engine)
         try:
-            checks[engine] = served_check(job, greedy, predicted[engine][1], predicted[engine][0], e.served_tolerance,
-                                          e.vllm_python, log=log, sampled_prediction=sampled)
+            checks[engine] = served_check(
+                job,
+                greedy,
+                predicted[engine][1],
+                predicted[engine][0],
+                e.served_tolerance,
+                e.vllm_python,
+                log=log,
+                sampled_prediction=sampled,
+            )
         except ServingError as exc:
             if required:
                 raise

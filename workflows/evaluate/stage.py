@@ -1,5 +1,6 @@
 """The evaluate stage itself: held-out answers, the draft as exported, the dtype, the run.
 See the package's docstring."""
+
 from __future__ import annotations
 
 import json
@@ -72,18 +73,29 @@ def ablation_mtime(layout: RunLayout) -> int | None:
 DTYPE_GAP = 0.02  # the offline walk in the serving dtype and in fp32 may differ this much silently
 
 
-def offline_in_fp32(cfg: FullConfig, layout: RunLayout, target_path: Path, ids, rows, k: int, walk: float,
-                    device: str) -> dict:
-    engine = HFEngine(EngineSpec(str(target_path), dtype="float32", layer_ids=ids, device=device,
-                                 trust_remote_code=cfg.target.trust_remote_code))
+def offline_in_fp32(
+    cfg: FullConfig, layout: RunLayout, target_path: Path, ids, rows, k: int, walk: float, device: str
+) -> dict:
+    engine = HFEngine(
+        EngineSpec(
+            str(target_path),
+            dtype="float32",
+            layer_ids=ids,
+            device=device,
+            trust_remote_code=cfg.target.trust_remote_code,
+        )
+    )
     draft, _ = load_draft_for_eval(cfg, layout, engine.model, torch.float32)
     groups = [rows[i : i + 4] for i in range(0, len(rows), 4)]
-    fp32, _ = offline_acceptance(draft, TargetHead.from_hf(engine.model), groups,
-                                 engine.training_batches(groups, "capture held-out (fp32)"), k)
+    fp32, _ = offline_acceptance(
+        draft, TargetHead.from_hf(engine.model), groups, engine.training_batches(groups, "capture held-out (fp32)"), k
+    )
     gap = abs(walk - fp32.walk) / fp32.walk
     if gap > DTYPE_GAP:
-        log(f"evaluate: WARNING the offline walk is {walk:.3f} in {cfg.target.dtype} but {fp32.walk:.3f} in float32 "
-            f"({gap:.1%} apart, above {DTYPE_GAP:.0%})")
+        log(
+            f"evaluate: WARNING the offline walk is {walk:.3f} in {cfg.target.dtype} but {fp32.walk:.3f} in float32 "
+            f"({gap:.1%} apart, above {DTYPE_GAP:.0%})"
+        )
     return {"acceptance_offline_float32": fp32.walk, "dtype_gap": gap, "dtype_gap_flagged": gap > DTYPE_GAP}
 
 
@@ -110,8 +122,9 @@ def evaluation_dtype(cfg: FullConfig, device: str = "cpu") -> tuple[str, str]:
     fast, why = cpu_choice()
     if fast == serving:
         return serving, f"the serving dtype ({why})"
-    return "float32", (f"not the serving dtype {serving}: it runs slowly on this CPU ({why}); "
-                       f"set evaluate.dtype={serving} to force it")
+    return "float32", (
+        f"not the serving dtype {serving}: it runs slowly on this CPU ({why}); set evaluate.dtype={serving} to force it"
+    )
 
 
 def run(cfg: FullConfig, target_path: Path) -> Path:
@@ -119,9 +132,14 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     layout = RunLayout.of(cfg)
     out = layout.stage_dir("evaluate")
     served = layout.benchmark_file  # python -m workflows.tools.benchmark --out ...
-    key = {"evaluate": to_dict(e), "target": identity_for(cfg, target_path), **layout.chain("train"),
-           "export": layout.done_key("export"), "served": served.stat().st_mtime_ns if served.exists() else None,
-           "ablation": ablation_mtime(layout)}
+    key = {
+        "evaluate": to_dict(e),
+        "target": identity_for(cfg, target_path),
+        **layout.chain("train"),
+        "export": layout.done_key("export"),
+        "served": served.stat().st_mtime_ns if served.exists() else None,
+        "ablation": ablation_mtime(layout),
+    }
     if stage_is_done(out, key):
         log(f"evaluate: reusing {out}")
         return out
@@ -131,8 +149,15 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     log(f"evaluate: computing in {dtype_name} on {device}: {dtype_why}")
     dtype = getattr(torch, dtype_name)
     ids = load_draft_config(layout.require_draft()).capture_layer_ids
-    engine = HFEngine(EngineSpec(str(target_path), dtype=dtype_name, layer_ids=ids, device=device,
-                                 trust_remote_code=cfg.target.trust_remote_code))
+    engine = HFEngine(
+        EngineSpec(
+            str(target_path),
+            dtype=dtype_name,
+            layer_ids=ids,
+            device=device,
+            trust_remote_code=cfg.target.trust_remote_code,
+        )
+    )
     model = engine.model
     cfg.target.check_against_hf_config(model.config)
     draft, source = load_draft_for_eval(cfg, layout, model, dtype)
@@ -147,32 +172,49 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     dec = decode_all(model, draft, rows, ids, k, e.topk, e.num_draft_tokens, eos)
     prompt_lengths = [r["loss_mask"].index(1) for r in rows]
     report = {
-        "target": str(target_path), "draft": source, "prompts": len(rows), "max_new_tokens": e.max_new_tokens,
-        "num_steps": k, "topk": e.topk, "num_draft_tokens": e.num_draft_tokens or k + 1, "dtype": dtype_name,
+        "target": str(target_path),
+        "draft": source,
+        "prompts": len(rows),
+        "max_new_tokens": e.max_new_tokens,
+        "num_steps": k,
+        "topk": e.topk,
+        "num_draft_tokens": e.num_draft_tokens or k + 1,
+        "dtype": dtype_name,
         "device": device,
-        "dtype_reason": dtype_why, "serving_dtype": cfg.target.dtype,
+        "dtype_reason": dtype_why,
+        "serving_dtype": cfg.target.dtype,
         "serve_args": speculative_args(k, e.topk, e.num_draft_tokens or k + 1),
         "acceptance_definitions": {
             "acceptance_decoded": "tokens produced by verify passes / verify passes (the prefill's token excluded)",
             "acceptance_decoded_sglang_definition": "completion tokens / verify passes, the prefill's token "
-                                                    "included: SGLang's accept length",
+            "included: SGLang's accept length",
             "acceptance_decoded_vllm_definition": "(accepted draft tokens + verify passes) / verify passes, the "
-                                                  "accepted counted before the cut at the answer's length: vLLM's "
-                                                  "mean acceptance length"},
+            "accepted counted before the cut at the answer's length: vLLM's "
+            "mean acceptance length",
+        },
         "acceptance_decoded_sglang_definition": dec["acceptance_sglang"],
         "acceptance_decoded_vllm_definition": dec["acceptance_vllm"],
-        "acceptance_offline": offline.walk, "acceptance_offline_per_position_average": offline.per_position_average,
-        "acceptance_decoded": dec["acceptance"], "parity_ratio": offline.walk / dec["acceptance"],
-        "lossless": dec["lossless"], "divergences": dec["divergences"], "text_agreement": dec["text_agreement"],
+        "acceptance_offline": offline.walk,
+        "acceptance_offline_per_position_average": offline.per_position_average,
+        "acceptance_decoded": dec["acceptance"],
+        "parity_ratio": offline.walk / dec["acceptance"],
+        "lossless": dec["lossless"],
+        "divergences": dec["divergences"],
+        "text_agreement": dec["text_agreement"],
         "per_position_acceptance": dec["per_position_acceptance"],
         "per_position_acceptance_offline": offline.per_slot_rate,
         "acceptance_by_prompt_length_offline": by_bucket(
-            prompt_lengths, [(a.tokens, a.passes) for a in offline_rows], e.length_buckets),
+            prompt_lengths, [(a.tokens, a.passes) for a in offline_rows], e.length_buckets
+        ),
         "acceptance_by_prompt_length_decoded": by_bucket(
-            prompt_lengths, [(p["gained"], p["passes"]) for p in dec["per_row"]], e.length_buckets),
-        "speedup_decoded": dec["speedup"], "tokens_per_s_decoded": dec["tokens_per_s_spec"],
-        "tokens_per_s_plain": dec["tokens_per_s_plain"], "target_forwards_decoded": dec["target_forwards"],
-        "offline_walk_passes": offline.passes, "per_prompt_decoded": dec["per_row"],
+            prompt_lengths, [(p["gained"], p["passes"]) for p in dec["per_row"]], e.length_buckets
+        ),
+        "speedup_decoded": dec["speedup"],
+        "tokens_per_s_decoded": dec["tokens_per_s_spec"],
+        "tokens_per_s_plain": dec["tokens_per_s_plain"],
+        "target_forwards_decoded": dec["target_forwards"],
+        "offline_walk_passes": offline.passes,
+        "per_prompt_decoded": dec["per_row"],
     }
     if dtype_name != "float32":  # the same walk in fp32: does precision move the figure?
         report.update(offline_in_fp32(cfg, layout, target_path, ids, rows, k, offline.walk, device))
@@ -184,13 +226,22 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     if e.topk > 1:  # the served tree, drafted as SGLang drafts it (differs from depth 3 on)
         sg = decode_all(model, draft, rows, ids, k, e.topk, e.num_draft_tokens, eos, sglang_compatible=True)
         report["sglang_draft_attention"] = {
-            "acceptance_decoded": sg["acceptance"], "acceptance_decoded_sglang_definition": sg["acceptance_sglang"],
-            "lossless": sg["lossless"], "per_position_acceptance": sg["per_position_acceptance"]}
+            "acceptance_decoded": sg["acceptance"],
+            "acceptance_decoded_sglang_definition": sg["acceptance_sglang"],
+            "lossless": sg["lossless"],
+            "per_position_acceptance": sg["per_position_acceptance"],
+        }
     if e.tree_topk > 1:
         tree = decode_all(model, draft, rows, ids, k, e.tree_topk, e.tree_num_draft_tokens, eos)
-        report.update({"tree_topk": e.tree_topk, "tree_num_draft_tokens": e.tree_num_draft_tokens,
-                       "acceptance_decoded_tree": tree["acceptance"], "speedup_decoded_tree": tree["speedup"],
-                       "lossless_tree": tree["lossless"]})
+        report.update(
+            {
+                "tree_topk": e.tree_topk,
+                "tree_num_draft_tokens": e.tree_num_draft_tokens,
+                "acceptance_decoded_tree": tree["acceptance"],
+                "speedup_decoded_tree": tree["speedup"],
+                "lossless_tree": tree["lossless"],
+            }
+        )
     if e.temperature > 0:
         report["at_temperature"] = at_temperature(cfg, model, draft, head, rows, batches, ids, eos)
     report["served"] = served_checks(cfg, layout, target_path, rows, dec["greedy"], report, dtype_name, eos, device)
@@ -198,13 +249,31 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         plots = plot(report, tmp)
         write_json_atomic(tmp / "report.json", report)
         # The prompts as served, for `workflows.tools.benchmark --prompts <this file>` against a server.
-        (tmp / "prompts.jsonl").write_text("".join(
-            json.dumps({"id": r["id"], "input_ids": r["input_ids"][: r["loss_mask"].index(1)],
-                        "max_new_tokens": len(r["loss_mask"]) - r["loss_mask"].index(1), "stop_token_ids": eos}) + "\n"
-            for r in rows))
+        (tmp / "prompts.jsonl").write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "id": r["id"],
+                        "input_ids": r["input_ids"][: r["loss_mask"].index(1)],
+                        "max_new_tokens": len(r["loss_mask"]) - r["loss_mask"].index(1),
+                        "stop_token_ids": eos,
+                    }
+                )
+                + "\n"
+                for r in rows
+            )
+        )
         (tmp / "report.md").write_text(markdown(report, plots))
-    mark_done(out, key, {k: report[k] for k in ("acceptance_offline", "acceptance_decoded", "parity_ratio",
-                                                 "lossless", "speedup_decoded")})
-    log(f"evaluate: acceptance offline {offline.walk:.3f} decoded {dec['acceptance']:.3f} parity "
-        f"{report['parity_ratio']:.3f} lossless {dec['lossless']} speed-up {dec['speedup']:.2f} -> {out}")
+    mark_done(
+        out,
+        key,
+        {
+            k: report[k]
+            for k in ("acceptance_offline", "acceptance_decoded", "parity_ratio", "lossless", "speedup_decoded")
+        },
+    )
+    log(
+        f"evaluate: acceptance offline {offline.walk:.3f} decoded {dec['acceptance']:.3f} parity "
+        f"{report['parity_ratio']:.3f} lossless {dec['lossless']} speed-up {dec['speedup']:.2f} -> {out}"
+    )
     return out

@@ -1,4 +1,5 @@
 """python -m workflows.generate [overrides]: the generate stage alone."""
+
 from workflows.core.cli import stage_main
 from workflows.generate.stage import run
 

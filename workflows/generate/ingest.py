@@ -35,6 +35,7 @@ What is fatal and what is skipped (nothing is dropped silently):
 * fine: a conversation ending on a user turn (its answer is generated); existing assistant
   turns are kept in the record (regeneration replaces them).
 """
+
 from __future__ import annotations
 
 import codecs
@@ -48,9 +49,17 @@ from typing import Any, Iterator
 
 from workflows.core.errors import InputError
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
-                  "system": "system"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
 OPENAI_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 FORMAT_FIELD = {"sharegpt": "conversations", "openai": "messages", "prompts": "prompt"}
 
@@ -141,7 +150,7 @@ def iter_records(path: str, file_type: str = "auto") -> Iterator[tuple[str, Any]
         if isinstance(records, dict) and isinstance(records.get("data"), list):
             records = records["data"]
         if not isinstance(records, list):
-            raise IngestError(f"{path}: a JSON file must hold a list of records (or {{\"data\": [...]}})")
+            raise IngestError(f'{path}: a JSON file must hold a list of records (or {{"data": [...]}})')
         for i, record in enumerate(records):
             yield f"{path}:record {i}", record
         return
@@ -190,8 +199,11 @@ def _turns(items, role_key, text_key, roles, allow_parts=False) -> tuple[list[di
     out, dropped = [], 0
     for k, turn in enumerate(items):
         content_types = (str, list) if allow_parts else str
-        if not isinstance(turn, dict) or not isinstance(turn.get(role_key), str) \
-                or not isinstance(turn.get(text_key), content_types):
+        if (
+            not isinstance(turn, dict)
+            or not isinstance(turn.get(role_key), str)
+            or not isinstance(turn.get(text_key), content_types)
+        ):
             raise Skip("missing_role_or_content", f"turn {k}")
         role = roles.get(turn[role_key].strip().lower())
         if role is None:
@@ -268,15 +280,26 @@ def row_split(record: dict, location: str, split: str, sample_id: str, heldout_f
     if split == "record":
         own = record.get("split")
         if own not in ("train", "heldout"):
-            raise IngestError(f"{location}: field 'split' must be 'train' or 'heldout' (the dataset's "
-                              f"split is 'record'), got {own!r}")
+            raise IngestError(
+                f"{location}: field 'split' must be 'train' or 'heldout' (the dataset's split is 'record'), got {own!r}"
+            )
         return own
     return split if split != "auto" else split_of(sample_id, heldout_fraction)
 
 
-def ingest_dataset(name: str, path: str, fmt: str, file_type: str, limit: int | None, weight: float,
-                   split: str, heldout_fraction: float, seen: set[str], log=print,
-                   prompt_field: str = "prompt") -> tuple[list[dict], Counter]:
+def ingest_dataset(
+    name: str,
+    path: str,
+    fmt: str,
+    file_type: str,
+    limit: int | None,
+    weight: float,
+    split: str,
+    heldout_fraction: float,
+    seen: set[str],
+    log=print,
+    prompt_field: str = "prompt",
+) -> tuple[list[dict], Counter]:
     """Normalised rows of one dataset plus its counts (read, kept, skipped_<reason>)."""
     rows, counts = [], Counter()
     first_seen: dict[str, str] = {}
@@ -306,9 +329,14 @@ def ingest_dataset(name: str, path: str, fmt: str, file_type: str, limit: int | 
         if dropped_parts:  # counted for kept conversations only: a skipped record counts once
             counts["skipped_non_text_part"] += dropped_parts
             first_seen.setdefault("non_text_part", location)
-        rows.append({"id": sample_id, "dataset": name, "split": row_split(record, location, split, sample_id,
-                                                                          heldout_fraction),
-                     "messages": messages})
+        rows.append(
+            {
+                "id": sample_id,
+                "dataset": name,
+                "split": row_split(record, location, split, sample_id, heldout_fraction),
+                "messages": messages,
+            }
+        )
     for reason, where in first_seen.items():
         unit = "content part(s)" if reason == "non_text_part" else "record(s)"
         log(f"ingest {name}: skipped {counts['skipped_' + reason]} {unit} for {reason}, first at {where}")
@@ -326,29 +354,33 @@ def require_conversations(name: str, paths: list[str], counts: Counter) -> None:
     if counts["conversations"] > 0:
         return
     files = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
-    skips = ", ".join(f"{k.removeprefix('skipped_')}={v}" for k, v in sorted(counts.items())
-                      if k.startswith("skipped_") and v)
-    raise IngestError(f"dataset {name!r} ({files}) yields no conversation: {counts['records']} record(s) read, "
-                      f"skipped: {skips or 'none (the file holds no record)'}")
+    skips = ", ".join(
+        f"{k.removeprefix('skipped_')}={v}" for k, v in sorted(counts.items()) if k.startswith("skipped_") and v
+    )
+    raise IngestError(
+        f"dataset {name!r} ({files}) yields no conversation: {counts['records']} record(s) read, "
+        f"skipped: {skips or 'none (the file holds no record)'}"
+    )
 
 
 def messages_type():
     import pyarrow as pa
 
-    return pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()),
-                               ("reasoning_content", pa.string())]))
+    return pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())]))
 
 
 def write_normalised(rows: list[dict], path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.table({
-        "id": pa.array([r["id"] for r in rows], pa.string()),
-        "dataset": pa.array([r["dataset"] for r in rows], pa.string()),
-        "split": pa.array([r["split"] for r in rows], pa.string()),
-        "messages": pa.array([r["messages"] for r in rows], messages_type()),
-    })
+    table = pa.table(
+        {
+            "id": pa.array([r["id"] for r in rows], pa.string()),
+            "dataset": pa.array([r["dataset"] for r in rows], pa.string()),
+            "split": pa.array([r["split"] for r in rows], pa.string()),
+            "messages": pa.array([r["messages"] for r in rows], messages_type()),
+        }
+    )
     pq.write_table(table, path)
 
 

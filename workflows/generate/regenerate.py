@@ -8,6 +8,7 @@ turn by turn, all conversations of the batch together.
 One engine (workflows.core.engines: `hf` batched transformers generate, the CPU default,
 or `sglang`) per Ray actor, for the actor's life.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,13 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.chat_template import (TemplateError, apply_length_policy, check_template, generation_prompt_ids,
-                                  tokenize_conversation)
+from eagle3.chat_template import (
+    TemplateError,
+    apply_length_policy,
+    check_template,
+    generation_prompt_ids,
+    tokenize_conversation,
+)
 from workflows.core.engine_spec import EngineSpec
 from workflows.core.engines import make_engine
 from workflows.core.markers import atomic_file, write_json_atomic
@@ -52,8 +58,14 @@ def regenerate_conversations(engine, tokenizer, conversations: list[list[dict]],
     for messages in conversations:
         system = [m for m in messages[:1] if m["role"] == "system"]
         users = [m["content"] for m in messages if m["role"] == "user"]
-        states.append({"history": [{"role": m["role"], "content": m["content"]} for m in system],
-                       "users": users, "finish": [], "stopped": False})
+        states.append(
+            {
+                "history": [{"role": m["role"], "content": m["content"]} for m in system],
+                "users": users,
+                "finish": [],
+                "stopped": False,
+            }
+        )
     for t in range(max((len(st["users"]) for st in states), default=0)):
         batch = []
         for st in states:
@@ -77,15 +89,27 @@ def regenerate_conversations(engine, tokenizer, conversations: list[list[dict]],
 
 
 def _tokenize(tokenizer, st: dict, s: Settings) -> dict:
-    result = {"messages": st["history"], "finish": st["finish"][-1] if st["finish"] else None,
-              "turns_cut": len(st["users"]) - len(st["finish"]), "input_ids": [], "loss_mask": [],
-              "truncated": False, "status": "ok", "error": None}
+    result = {
+        "messages": st["history"],
+        "finish": st["finish"][-1] if st["finish"] else None,
+        "turns_cut": len(st["users"]) - len(st["finish"]),
+        "input_ids": [],
+        "loss_mask": [],
+        "truncated": False,
+        "status": "ok",
+        "error": None,
+    }
     if not st["finish"]:
         result["status"] = "prompt_overlong"
         return result
     try:
-        tok = tokenize_conversation(tokenizer, st["history"], keep_reasoning=s.keep_reasoning,
-                                    end_of_turn=[f == "eos" for f in st["finish"]], **s.template_kwargs)
+        tok = tokenize_conversation(
+            tokenizer,
+            st["history"],
+            keep_reasoning=s.keep_reasoning,
+            end_of_turn=[f == "eos" for f in st["finish"]],
+            **s.template_kwargs,
+        )
     except TemplateError as exc:
         result.update(status="mask_round_trip_failed", error=str(exc))
         return result
@@ -93,8 +117,9 @@ def _tokenize(tokenizer, st: dict, s: Settings) -> dict:
     if fitted is None:
         result["status"] = reason
         return result
-    result.update(input_ids=fitted.input_ids, loss_mask=fitted.loss_mask,
-                  truncated=len(fitted.input_ids) < len(tok.input_ids))
+    result.update(
+        input_ids=fitted.input_ids, loss_mask=fitted.loss_mask, truncated=len(fitted.input_ids) < len(tok.input_ids)
+    )
     return result
 
 
@@ -103,9 +128,19 @@ class Regenerator:
 
     def __init__(self, target_path: str, settings: dict):
         self.s = s = Settings(**settings)
-        self.engine = make_engine(s.backend, EngineSpec(
-            target_path, dtype=s.dtype, trust_remote_code=s.trust_remote_code, threads=s.threads, device=s.device,
-            seed=s.seed, max_total_tokens=s.sglang_max_total_tokens, tp_size=s.tp_size))
+        self.engine = make_engine(
+            s.backend,
+            EngineSpec(
+                target_path,
+                dtype=s.dtype,
+                trust_remote_code=s.trust_remote_code,
+                threads=s.threads,
+                device=s.device,
+                seed=s.seed,
+                max_total_tokens=s.sglang_max_total_tokens,
+                tp_size=s.tp_size,
+            ),
+        )
         self.tokenizer = self.engine.tokenizer
         check_template(self.tokenizer, **self.s.template_kwargs)  # refuse a template before any work
 
@@ -113,19 +148,30 @@ class Regenerator:
         import pyarrow as pa
 
         rows = batch.to_pylist()
-        results = regenerate_conversations(self.engine, self.tokenizer,
-                                           [json.loads(r["messages_json"]) for r in rows], self.s)
+        results = regenerate_conversations(
+            self.engine, self.tokenizer, [json.loads(r["messages_json"]) for r in rows], self.s
+        )
         out = []
         for row, res in zip(rows, results):
             mask = res["loss_mask"]
-            out.append({
-                "id": row["id"], "dataset": row["dataset"], "split": row["split"], "shard": row["shard"],
-                "status": res["status"], "error": res["error"], "finish": res["finish"],
-                "truncated": res["truncated"], "turns_cut": res["turns_cut"],
-                "messages_json": json.dumps(res["messages"], ensure_ascii=False),
-                "input_ids": res["input_ids"], "loss_mask": mask,
-                "prompt_tokens": len(mask) - sum(mask), "answer_tokens": sum(mask),
-            })
+            out.append(
+                {
+                    "id": row["id"],
+                    "dataset": row["dataset"],
+                    "split": row["split"],
+                    "shard": row["shard"],
+                    "status": res["status"],
+                    "error": res["error"],
+                    "finish": res["finish"],
+                    "truncated": res["truncated"],
+                    "turns_cut": res["turns_cut"],
+                    "messages_json": json.dumps(res["messages"], ensure_ascii=False),
+                    "input_ids": res["input_ids"],
+                    "loss_mask": mask,
+                    "prompt_tokens": len(mask) - sum(mask),
+                    "answer_tokens": sum(mask),
+                }
+            )
         return pa.Table.from_pylist(out, schema=RESULT_SCHEMA())
 
 
@@ -154,8 +200,12 @@ def commit_shard_files(folder: Path, index: int, rows: list[dict]) -> dict:
             c[f"skipped_{r['status']}"] += 1
             if r["error"]:
                 errors.append(f"{r['id']}: {r['error']}")
-    record = {"rows": len(ok), "ids": sorted(r["id"] for r in rows), "errors": errors[:5],
-              "counts": {k: dict(v) for k, v in per_dataset.items()}}
+    record = {
+        "rows": len(ok),
+        "ids": sorted(r["id"] for r in rows),
+        "errors": errors[:5],
+        "counts": {k: dict(v) for k, v in per_dataset.items()},
+    }
     write_json_atomic(shard.with_name(f"{index:05d}.done.json"), record)
     return record
 
@@ -187,18 +237,30 @@ class ShardRegenerator(Regenerator):
                 rows += super().__call__(pa.Table.from_pylist(group)).to_pylist()
             record = commit_shard_files(self.folder, plan["shard"], rows)
             answers = sum(c.get("answer_tokens", 0) for c in record["counts"].values())
-            out.append({"shard": plan["shard"], "conversations": len(rows), "rows": record["rows"],
-                        "answer_tokens": answers})
+            out.append(
+                {"shard": plan["shard"], "conversations": len(rows), "rows": record["rows"], "answer_tokens": answers}
+            )
         return pa.Table.from_pylist(out)
 
 
 def RESULT_SCHEMA():  # noqa: N802 - a schema constant, built lazily (pyarrow import)
     import pyarrow as pa
 
-    return pa.schema([
-        ("id", pa.string()), ("dataset", pa.string()), ("split", pa.string()), ("shard", pa.int64()),
-        ("status", pa.string()), ("error", pa.string()), ("finish", pa.string()), ("truncated", pa.bool_()),
-        ("turns_cut", pa.int64()), ("messages_json", pa.string()),
-        ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8())),
-        ("prompt_tokens", pa.int64()), ("answer_tokens", pa.int64()),
-    ])
+    return pa.schema(
+        [
+            ("id", pa.string()),
+            ("dataset", pa.string()),
+            ("split", pa.string()),
+            ("shard", pa.int64()),
+            ("status", pa.string()),
+            ("error", pa.string()),
+            ("finish", pa.string()),
+            ("truncated", pa.bool_()),
+            ("turns_cut", pa.int64()),
+            ("messages_json", pa.string()),
+            ("input_ids", pa.list_(pa.int32())),
+            ("loss_mask", pa.list_(pa.uint8())),
+            ("prompt_tokens", pa.int64()),
+            ("answer_tokens", pa.int64()),
+        ]
+    )

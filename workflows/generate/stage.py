@@ -17,6 +17,7 @@
 
 Later stages read the committed rows with `RunLayout.read_corpus` (workflows.core.layout).
 """
+
 from __future__ import annotations
 
 import json
@@ -80,9 +81,19 @@ def _ingest_one(cfg: FullConfig, name: str, spec, seen: set[str]) -> tuple[list[
     for path in paths:
         if total["conversations"] >= limit:
             break
-        got, c = ingest.ingest_dataset(name, path, spec.format, spec.file_type, limit - total["conversations"],
-                                       spec.weight, spec.split, cfg.data.heldout_fraction, seen, log=log,
-                                       prompt_field=spec.prompt_field)
+        got, c = ingest.ingest_dataset(
+            name,
+            path,
+            spec.format,
+            spec.file_type,
+            limit - total["conversations"],
+            spec.weight,
+            spec.split,
+            cfg.data.heldout_fraction,
+            seen,
+            log=log,
+            prompt_field=spec.prompt_field,
+        )
         rows += got
         total.update(c)
     return rows, total, paths
@@ -110,8 +121,13 @@ def engine_count(cfg: FullConfig, pending_shards: int) -> int:
     return max(1, min(cfg.data.num_engines, pending_shards))
 
 
-def regenerate_shards(cfg: FullConfig, target_path: Path, plans: list[dict], layout: RunLayout,
-                      on_commit: Callable[[int], None] | None = None) -> None:
+def regenerate_shards(
+    cfg: FullConfig,
+    target_path: Path,
+    plans: list[dict],
+    layout: RunLayout,
+    on_commit: Callable[[int], None] | None = None,
+) -> None:
     """Send the pending shard plans (`shard`, `start`, `stop`: rows of prompts.parquet)
     through the actor pool; each actor reads its prompts and commits its shard itself, the
     driver only sees one small record per shard."""
@@ -122,20 +138,42 @@ def regenerate_shards(cfg: FullConfig, target_path: Path, plans: list[dict], lay
     threads = cfg.data.threads_per_engine or max(1, (os.cpu_count() or 1) // engines)
     device = engine_device(cfg)
     if device == "cpu" and cfg.data.backend == "sglang" and _driver_has_gpu():
-        log("generate: WARNING: data.backend=sglang runs on the CPU (data.gpus_per_engine=0) although this machine "
-            f"has GPUs; set data.gpus_per_engine={cfg.target.tp_size} to use them")
-    settings = dict(max_new_tokens=cfg.data.max_new_tokens, temperature=cfg.data.temperature, top_p=cfg.data.top_p,
-                    reasoning=cfg.data.reasoning, keep_reasoning=cfg.data.keep_reasoning,
-                    max_length=cfg.data.max_length, overlong=cfg.data.overlong, backend=cfg.data.backend,
-                    dtype=resolve(cfg.data.dtype, device), threads=threads, seed=cfg.seed,
-                    sglang_max_total_tokens=cfg.data.sglang_max_total_tokens if device == "cpu" else None,
-                    trust_remote_code=cfg.target.trust_remote_code, tp_size=cfg.target.tp_size, device=device)
+        log(
+            "generate: WARNING: data.backend=sglang runs on the CPU (data.gpus_per_engine=0) although this machine "
+            f"has GPUs; set data.gpus_per_engine={cfg.target.tp_size} to use them"
+        )
+    settings = dict(
+        max_new_tokens=cfg.data.max_new_tokens,
+        temperature=cfg.data.temperature,
+        top_p=cfg.data.top_p,
+        reasoning=cfg.data.reasoning,
+        keep_reasoning=cfg.data.keep_reasoning,
+        max_length=cfg.data.max_length,
+        overlong=cfg.data.overlong,
+        backend=cfg.data.backend,
+        dtype=resolve(cfg.data.dtype, device),
+        threads=threads,
+        seed=cfg.seed,
+        sglang_max_total_tokens=cfg.data.sglang_max_total_tokens if device == "cpu" else None,
+        trust_remote_code=cfg.target.trust_remote_code,
+        tp_size=cfg.target.tp_size,
+        device=device,
+    )
     ds = ray.data.from_items(plans, override_num_blocks=len(plans)).map_batches(
-        ShardRegenerator, fn_constructor_kwargs={
-            "target_path": str(target_path), "settings": settings, "prompts_file": str(layout.prompts_file),
-            "shards_folder": str(layout.corpus_shards), "batch_size": cfg.data.batch_size},
-        batch_size=1, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=engines),
-        num_cpus=1 if cfg.data.backend == "hf" else 0.5, num_gpus=cfg.data.gpus_per_engine or None)
+        ShardRegenerator,
+        fn_constructor_kwargs={
+            "target_path": str(target_path),
+            "settings": settings,
+            "prompts_file": str(layout.prompts_file),
+            "shards_folder": str(layout.corpus_shards),
+            "batch_size": cfg.data.batch_size,
+        },
+        batch_size=1,
+        batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=engines),
+        num_cpus=1 if cfg.data.backend == "hf" else 0.5,
+        num_gpus=cfg.data.gpus_per_engine or None,
+    )
     # Ray metrics: conversations done (of those pending), answer tokens generated and per second.
     conversations = StageMetrics("generate", "conversations", total=sum(p["stop"] - p["start"] for p in plans))
     answers = StageMetrics("generate", "answer_tokens")
@@ -156,7 +194,8 @@ def regenerate_shards(cfg: FullConfig, target_path: Path, plans: list[dict], lay
             f"generate: shard(s) {sorted(left)[:8]}{' and more' if len(left) > 8 else ''} of "
             f"{layout.corpus_shards} did not finish: {root_cause(exc)}; the {len(plans) - len(left)} committed "
             "this run are kept: fix the cause (free space, a dead node) and rerun, which regenerates only the "
-            "others (the worker's traceback is in the log above)") from exc
+            "others (the worker's traceback is in the log above)"
+        ) from exc
     if left:
         raise StageFailure(f"generate: shards {sorted(left)} never came back from Ray Data; rerun to regenerate them")
 
@@ -214,12 +253,18 @@ def run(cfg: FullConfig, target_path: Path, on_commit: Callable[[int], None] | N
     out = layout.stage_dir("generate")
     rows, ingest_counts = ingest_mixture(cfg)
     if not rows:
-        raise ingest.IngestError(f"generate: the mixture {list(cfg.mixture)} yields no usable conversation:\n"
-                                 + json.dumps({k: dict(v) for k, v in ingest_counts.items()}, indent=1))
+        raise ingest.IngestError(
+            f"generate: the mixture {list(cfg.mixture)} yields no usable conversation:\n"
+            + json.dumps({k: dict(v) for k, v in ingest_counts.items()}, indent=1)
+        )
     data = output_dict(cfg.data)
     data["dtype"] = resolve(cfg.data.dtype, engine_device(cfg))  # what the engines compute in here
-    key = {"data": data, "target": identity_for(cfg, target_path), "seed": cfg.seed,
-           "prompts": config_hash({"rows": [[r["id"], r["split"], r["messages"]] for r in rows]})}
+    key = {
+        "data": data,
+        "target": identity_for(cfg, target_path),
+        "seed": cfg.seed,
+        "prompts": config_hash({"rows": [[r["id"], r["split"], r["messages"]] for r in rows]}),
+    }
     if stage_is_done(out, key):
         log(f"generate: reusing {out}")
         return out
@@ -240,9 +285,11 @@ def run(cfg: FullConfig, target_path: Path, on_commit: Callable[[int], None] | N
     expected = {k: min(size, len(rows) - k * size) for k in range(-(-len(rows) // size))}
     done = layout.committed_corpus_shards()
     plans = [{"shard": k, "start": k * size, "stop": k * size + n} for k, n in expected.items() if k not in done]
-    log(f"generate: {len(rows)} conversations in {len(expected)} shards, {len(done)} already committed, "
+    log(
+        f"generate: {len(rows)} conversations in {len(expected)} shards, {len(done)} already committed, "
         f"{sum(p['stop'] - p['start'] for p in plans)} conversations to regenerate "
-        f"({cfg.data.backend} x{engine_count(cfg, len(plans))})")
+        f"({cfg.data.backend} x{engine_count(cfg, len(plans))})"
+    )
     if plans:
         regenerate_shards(cfg, target_path, plans, layout, on_commit)
     shards = layout.committed_corpus_shards()
@@ -260,6 +307,14 @@ def run(cfg: FullConfig, target_path: Path, on_commit: Callable[[int], None] | N
     total = Counter()
     for c in table.values():
         total.update(c)
-    mark_done(out, key, {"conversations": total["conversations"], "prompt_tokens": total["prompt_tokens"],
-                         "answer_tokens": total["answer_tokens"], "shards": len(shards)})
+    mark_done(
+        out,
+        key,
+        {
+            "conversations": total["conversations"],
+            "prompt_tokens": total["prompt_tokens"],
+            "answer_tokens": total["answer_tokens"],
+            "shards": len(shards),
+        },
+    )
     return out

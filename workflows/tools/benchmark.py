@@ -16,6 +16,7 @@ SGLang's reply metadata (`meta_info.spec_accept_length`, or completion tokens /
 `spec_verify_ct`) on `/generate`; the OpenAI API (`/v1/completions`) returns none.
 Standard library HTTP only; loopback by default.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,9 @@ def wait_healthy(url: str, timeout_s: float = 300, proc=None) -> None:
     raise TimeoutError(f"{url}/health did not answer within {timeout_s} s")
 
 
-def one_request(url: str, prompt: str | dict, max_new_tokens: int, api: str, model: str | None,
-                ignore_eos: bool, timeout: float) -> dict:
+def one_request(
+    url: str, prompt: str | dict, max_new_tokens: int, api: str, model: str | None, ignore_eos: bool, timeout: float
+) -> dict:
     """-> {completion_tokens, accept_length (or None), verify_passes (or None)}. A prompt is
     a text, or {"input_ids": [...], "max_new_tokens": n} (the report's prompts.jsonl rows:
     the same tokens, the same budget, hence the served check's figure)."""
@@ -84,8 +86,11 @@ def one_request(url: str, prompt: str | dict, max_new_tokens: int, api: str, mod
         if stop:
             body["stop_token_ids"] = stop  # an extension of SGLang and vLLM
         reply = _post(f"{url}/v1/completions", body, timeout)
-        return {"completion_tokens": int(reply["usage"]["completion_tokens"]), "accept_length": None,
-                "verify_passes": None}
+        return {
+            "completion_tokens": int(reply["usage"]["completion_tokens"]),
+            "accept_length": None,
+            "verify_passes": None,
+        }
     raise ValueError(f"api={api!r}: expected 'generate' or 'openai'")
 
 
@@ -98,13 +103,26 @@ def timed_run(url, prompts, concurrency, start, **kw) -> dict:
     tokens = sum(r["completion_tokens"] for r in replies)
     verify = [r["verify_passes"] for r in replies if r["verify_passes"]]
     accept = [r["accept_length"] for r in replies if r["accept_length"] is not None]
-    return {"seconds": seconds, "tokens": tokens, "verify_passes": sum(verify) if verify else None,
-            "accept_lengths": accept}
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "verify_passes": sum(verify) if verify else None,
+        "accept_lengths": accept,
+    }
 
 
-def run_benchmark(url: str, prompts: list[str | dict], max_new_tokens: int = 2048, warmup: int = 1, runs: int = 3,
-                  concurrency=(1, 8), api: str = "generate", model: str | None = None, ignore_eos: bool = False,
-                  timeout: float = 3600) -> dict:
+def run_benchmark(
+    url: str,
+    prompts: list[str | dict],
+    max_new_tokens: int = 2048,
+    warmup: int = 1,
+    runs: int = 3,
+    concurrency=(1, 8),
+    api: str = "generate",
+    model: str | None = None,
+    ignore_eos: bool = False,
+    timeout: float = 3600,
+) -> dict:
     if not prompts:
         raise ValueError("no prompts to benchmark with")
     kw = {"max_new_tokens": max_new_tokens, "api": api, "model": model, "ignore_eos": ignore_eos, "timeout": timeout}
@@ -118,17 +136,26 @@ def run_benchmark(url: str, prompts: list[str | dict], max_new_tokens: int = 204
         passes = [t["verify_passes"] for t in timed if t["verify_passes"]]
         accepts = [a for t in timed for a in t["accept_lengths"]]
         results[str(c)] = {
-            "concurrency": c, "runs": runs, "completion_tokens": tokens,
+            "concurrency": c,
+            "runs": runs,
+            "completion_tokens": tokens,
             "tokens_per_s_mean": statistics.mean(rates),
             "tokens_per_s_stdev": statistics.stdev(rates) if len(rates) > 1 else 0.0,
             "tokens_per_s_per_stream": statistics.mean(rates) / c,
             # Tokens per verify pass over all timed requests when the server counts passes.
-            "accept_length": (tokens / sum(passes)) if passes and len(passes) == len(timed)
+            "accept_length": (tokens / sum(passes))
+            if passes and len(passes) == len(timed)
             else (statistics.mean(accepts) if accepts else None),
         }
-    return {"url": url, "api": api, "max_new_tokens": max_new_tokens, "warmup": warmup, "results": results,
-            "accept_length_is": "completion tokens / verify passes (SGLang's spec_verify_ct), the prefill's token "
-                                "included: the report's acceptance_decoded_sglang_definition is the same figure"}
+    return {
+        "url": url,
+        "api": api,
+        "max_new_tokens": max_new_tokens,
+        "warmup": warmup,
+        "results": results,
+        "accept_length_is": "completion tokens / verify passes (SGLang's spec_verify_ct), the prefill's token "
+        "included: the report's acceptance_decoded_sglang_definition is the same figure",
+    }
 
 
 def read_prompt_texts(path: Path, limit: int) -> list[str | dict]:
@@ -149,7 +176,9 @@ def read_prompt_texts(path: Path, limit: int) -> list[str | dict]:
             if len(texts) == limit:
                 break
             continue
-        text = row.get("prompt") or next((m.get("content") for m in row.get("messages", []) if m.get("role") == "user"), None)
+        text = row.get("prompt") or next(
+            (m.get("content") for m in row.get("messages", []) if m.get("role") == "user"), None
+        )
         if not isinstance(text, str):
             raise InputError(f"{path}:{n}: no 'prompt' string, no user message and no 'input_ids'")
         texts.append(text)
@@ -171,13 +200,16 @@ def main(argv=None) -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--out", default=None, help="write the results here as JSON; <run_dir>/benchmark/benchmark.json is picked up by the report")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="write the results here as JSON; <run_dir>/benchmark/benchmark.json is picked up by the report",
+    )
     a = p.parse_args(argv)
 
     prompts = read_prompt_texts(resolve_data_path(a.prompts), a.limit)
     wait_healthy(a.url, timeout_s=60)
-    res = run_benchmark(a.url, prompts, a.max_new_tokens, a.warmup, a.runs, a.concurrency, a.api, a.model,
-                        a.ignore_eos)
+    res = run_benchmark(a.url, prompts, a.max_new_tokens, a.warmup, a.runs, a.concurrency, a.api, a.model, a.ignore_eos)
     text = json.dumps(res, indent=2)
     print(text)
     if a.out:

@@ -5,6 +5,7 @@
 Each artefact is read into a side (workflows.core.wiring) and every fact is compared
 across the sides that state it; each disagreement is one line naming both sides.
 """
+
 from __future__ import annotations
 
 from workflows.core.cli import hydra_entry

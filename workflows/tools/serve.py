@@ -19,6 +19,7 @@ that silently change the request, so `resolve_spec_args` states the effect first
     python -m workflows.tools.serve target=tiny run_dir=runs/tiny serve.num_steps=3 serve.topk=1 \
         serve.num_draft_tokens=4              # prints the command; serve.launch=true runs it
 """
+
 from __future__ import annotations
 
 import os
@@ -52,23 +53,31 @@ class SpecEffect:
 
     @property
     def max_tree_nodes(self) -> int:
-        return self.topk + (self.num_steps - 1) * self.topk ** 2
+        return self.topk + (self.num_steps - 1) * self.topk**2
 
 
-def resolve_spec_args(num_steps: int | None, topk: int | None, num_draft_tokens: int | None,
-                      target_arch: str) -> SpecEffect:
+def resolve_spec_args(
+    num_steps: int | None, topk: int | None, num_draft_tokens: int | None, target_arch: str
+) -> SpecEffect:
     """What SGLang will run for this request, with a warning for every silent change."""
     given = {"num_steps": num_steps, "topk": topk, "num_draft_tokens": num_draft_tokens}
     if all(v is None for v in given.values()):
         steps, k, ndt = ARCH_DEFAULTS.get(target_arch, OTHER_ARCH_DEFAULT)
-        return SpecEffect(steps, k, ndt, [
-            f"no drafting arguments given: SGLang picks num_steps={steps}, topk={k}, num_draft_tokens={ndt} "
-            f"for architecture {target_arch}; pass all three to choose"])
+        return SpecEffect(
+            steps,
+            k,
+            ndt,
+            [
+                f"no drafting arguments given: SGLang picks num_steps={steps}, topk={k}, num_draft_tokens={ndt} "
+                f"for architecture {target_arch}; pass all three to choose"
+            ],
+        )
     missing = [k for k, v in given.items() if v is None]
     if missing:
         raise ServeArgsError(
             f"set all of num_steps, topk, num_draft_tokens or none: {missing} missing. SGLang asserts at startup "
-            "when num_steps is unset and another is set, and fails later when only num_steps is set")
+            "when num_steps is unset and another is set, and fails later when only num_steps is set"
+        )
     for k, v in given.items():
         if v < 1:
             raise ServeArgsError(f"{k}={v} must be >= 1")
@@ -78,23 +87,45 @@ def resolve_spec_args(num_steps: int | None, topk: int | None, num_draft_tokens:
         effect.warnings.append(
             f"topk=1: SGLang replaces num_draft_tokens={num_draft_tokens} by num_steps+1={num_steps + 1}; "
             f"the draft proposes {num_steps} tokens per pass, not {num_draft_tokens - 1}. "
-            f"Raise num_steps to {num_draft_tokens - 1} for a chain that long")
+            f"Raise num_steps to {num_draft_tokens - 1} for a chain that long"
+        )
     if topk > 1 and num_draft_tokens - 1 > effect.max_tree_nodes:
         effect.warnings.append(
             f"num_draft_tokens-1={num_draft_tokens - 1} exceeds topk + (num_steps-1)*topk^2 = {effect.max_tree_nodes} "
             f"draft nodes for num_steps={num_steps}, topk={topk}: SGLang accepts it but cannot fill the extra "
-            "slots; raise num_steps or topk, or lower num_draft_tokens")
+            "slots; raise num_steps or topk, or lower num_draft_tokens"
+        )
     if num_draft_tokens < 2 and topk > 1:
         effect.warnings.append(f"num_draft_tokens={num_draft_tokens} verifies no draft token at all")
     return effect
 
 
-def launch_command(target_path: str, draft_path: str, effect: SpecEffect, tp_size: int = 1,
-                   host: str = "127.0.0.1", port: int = 30000, env: dict | None = None, cpu: bool = False,
-                   extra_args: list[str] | None = None, speculative: bool = True) -> tuple[list[str], dict]:
+def launch_command(
+    target_path: str,
+    draft_path: str,
+    effect: SpecEffect,
+    tp_size: int = 1,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    env: dict | None = None,
+    cpu: bool = False,
+    extra_args: list[str] | None = None,
+    speculative: bool = True,
+) -> tuple[list[str], dict]:
     """(argv, environment) for `python -m sglang.launch_server`; loopback unless told."""
-    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(target_path),
-            "--host", host, "--port", str(port), "--tp-size", str(tp_size)]
+    argv = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(target_path),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(tp_size),
+    ]
     if speculative:
         flags = speculative_args(effect.num_steps, effect.topk, effect.num_draft_tokens)
         argv += flags[:2] + ["--speculative-draft-model-path", str(draft_path)] + flags[2:]
@@ -127,8 +158,10 @@ def drafting_to_serve(cfg) -> tuple[int | None, int | None, int | None]:
     report = RunLayout.of(cfg).stage_dir("evaluate") / "report.json"
     if report.is_file():
         r = read_json(report)
-        log(f"serve: drafting as evaluated in {report}: num_steps={r['num_steps']} topk={r['topk']} "
-            f"num_draft_tokens={r['num_draft_tokens']}")
+        log(
+            f"serve: drafting as evaluated in {report}: num_steps={r['num_steps']} topk={r['topk']} "
+            f"num_draft_tokens={r['num_draft_tokens']}"
+        )
         return r["num_steps"], r["topk"], r["num_draft_tokens"]
     e = cfg.evaluate
     log("serve: no report yet; drafting as evaluate is configured")
@@ -143,17 +176,21 @@ def serve(cfg) -> None:
     target_path = prepare_for(cfg, log=log)
     draft = Path(s.draft_path) if s.draft_path else RunLayout.of(cfg).sglang_export
     if not (draft / "config.json").is_file():
-        raise MissingArtefact(f"{draft}/config.json: no exported draft to serve; run the export stage first "
-                              "(stages=[export]) or point serve.draft_path at an export")
+        raise MissingArtefact(
+            f"{draft}/config.json: no exported draft to serve; run the export stage first "
+            "(stages=[export]) or point serve.draft_path at an export"
+        )
     effect = resolve_spec_args(*drafting_to_serve(cfg), target_architecture(target_path))
     for w in effect.warnings:
         log(f"serve: WARNING {w}")
     sides = sides_for_run(cfg, target_path) + [
-        side_from_sglang_export(draft, cfg.target.num_layers, cfg.target.model_type)]
+        side_from_sglang_export(draft, cfg.target.num_layers, cfg.target.model_type)
+    ]
     sides[-1].name = f"serving (--speculative-draft-model-path {draft})"
     raise_on_errors(check(sides))
-    argv, env = launch_command(str(target_path), str(draft), effect, cfg.target.tp_size, s.host, s.port,
-                               cfg.target.env, s.cpu, s.extra_args)
+    argv, env = launch_command(
+        str(target_path), str(draft), effect, cfg.target.tp_size, s.host, s.port, cfg.target.env, s.cpu, s.extra_args
+    )
     log("serve: " + printable_command(argv, env, secret_keys=set(cfg.target.env)))
     if s.launch:
         os.execvpe(argv[0], argv, {**os.environ, **env})

@@ -10,6 +10,7 @@ are fused by SGLang) and the draft->target map (`hot_token_id`). Prints one JSON
 export; exit status 1 on any mismatch. Run it in its own process: it initialises
 torch.distributed. Needs the `workflows/sglang_cpu_shim` folder on PYTHONPATH (see there).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,15 +42,14 @@ def init_sglang_cpu() -> None:
 
     publish_build_topology(device="cpu", tp_size=1)
     parallel_state.init_distributed_environment(
-        world_size=1, rank=0, local_rank=0, backend="gloo",
-        distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+        world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{_free_port()}"
+    )
     parallel_state.initialize_model_parallel(backend="gloo")
 
 
 def build_sglang_draft(config: dict):
-    from transformers import LlamaConfig
-
     from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+    from transformers import LlamaConfig
 
     return LlamaForCausalLMEagle3(LlamaConfig(**config))
 
@@ -85,7 +85,8 @@ def check(export_dir: Path) -> dict:
     if model.hot_token_id is None or not torch.equal(model.hot_token_id.long(), target_ids_of(ours["d2t"])):
         problems.append("hot_token_id (SGLang's draft->target map from d2t) differs from arange + d2t")
     expected_fc_in = len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) * config.get(
-        "target_hidden_size", config["hidden_size"])
+        "target_hidden_size", config["hidden_size"]
+    )
     if model.model.fc.weight.shape[1] != expected_fc_in:
         problems.append(f"fc input width {model.model.fc.weight.shape[1]} != {expected_fc_in}")
     # The rotary base SGLang built the draft's attention with (from config.json through
@@ -97,8 +98,13 @@ def check(export_dir: Path) -> dict:
     unused = sorted(set(ours) - used)
     if unused:
         problems.append(f"tensors SGLang never loaded: {unused}")
-    return {"ok": not problems, "problems": problems, "checked": sorted(checked), "not_ours": sorted(not_ours),
-            "rope_base": rope_base}
+    return {
+        "ok": not problems,
+        "problems": problems,
+        "checked": sorted(checked),
+        "not_ours": sorted(not_ours),
+        "rope_base": rope_base,
+    }
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """python -m workflows.train [overrides]: the train stage alone."""
+
 from workflows.core.cli import stage_main
 from workflows.train.stage import run
 

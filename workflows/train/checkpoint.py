@@ -16,6 +16,7 @@ With Ray Train every rank writes its part into a temporary folder and hands it t
 writes `train/checkpoint/` whole into a temporary folder and renames it into place. Either
 way a crash never leaves a half-written checkpoint, nor removes the only complete one.
 """
+
 from __future__ import annotations
 
 import base64
@@ -45,8 +46,11 @@ def write_loop_state(folder: Path, rank: int, state: dict) -> None:
 
 def resume_mismatch(saved: dict, current: dict) -> list[str]:
     """The resume-relevant fields that differ, as 'field: saved -> now' lines."""
-    return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in sorted(set(saved) | set(current))
-            if saved.get(k) != current.get(k)]
+    return [
+        f"{k}: {saved.get(k)!r} -> {current.get(k)!r}"
+        for k in sorted(set(saved) | set(current))
+        if saved.get(k) != current.get(k)
+    ]
 
 
 def check_resumable(folder: Path, current: dict) -> dict:
@@ -61,7 +65,7 @@ def check_resumable(folder: Path, current: dict) -> dict:
             f"{folder} holds a checkpoint that cannot be resumed with this config, which changed "
             + "; ".join(diff)
             + ". Resume with the old settings, or start afresh: train.resume=false (or another run_dir); "
-              "train.init_from=<a draft folder> warm-starts from weights only"
+            "train.init_from=<a draft folder> warm-starts from weights only"
         )
     return state
 

@@ -15,10 +15,10 @@ taken in it), is all a checkpoint needs to continue the same stream; the stream 
 collective calls stay in step. A background thread keeps `prefetch` batches ready, so the
 step does not wait on storage.
 """
+
 from __future__ import annotations
 
 import itertools
-
 import queue
 import random
 import threading
@@ -106,8 +106,18 @@ class BatchStream:
     With `pin`, the prefetch thread pins each batch in page-locked memory, so that the copy
     to the GPU can overlap the step (`.to(device, non_blocking=True)`)."""
 
-    def __init__(self, reader, shards: list[str], settings: BatchSettings, seed: int, rank: int = 0,
-                 world: int = 1, start: StreamPosition | None = None, prefetch: int = 4, pin: bool = False):
+    def __init__(
+        self,
+        reader,
+        shards: list[str],
+        settings: BatchSettings,
+        seed: int,
+        rank: int = 0,
+        world: int = 1,
+        start: StreamPosition | None = None,
+        prefetch: int = 4,
+        pin: bool = False,
+    ):
         if not shards:
             raise InputError(f"store {reader.url}: no committed shard to train on")
         self.reader, self.shards, self.settings = reader, list(shards), settings
@@ -147,8 +157,10 @@ class BatchStream:
                     if self._stop.is_set():
                         return
                 if n == 0:
-                    raise InputError(f"store {self.reader.url}: worker {self.rank} of {self.world} got no "
-                                     f"sample from shards {self.shards[:4]}...; fewer samples than workers?")
+                    raise InputError(
+                        f"store {self.reader.url}: worker {self.rank} of {self.world} got no "
+                        f"sample from shards {self.shards[:4]}...; fewer samples than workers?"
+                    )
                 epoch, skip = epoch + 1, 0
         except BaseException as exc:  # handed to the consumer, raised there
             self._put(("error", 0, 0, exc))
@@ -183,8 +195,9 @@ def hash_seed(seed: int, epoch: int) -> int:
     return (seed * 1_000_003 + epoch) % (2**31)
 
 
-def eval_batches(reader, shards: list[str], batch_size: int, max_seq_len: int, pad_id: int,
-                 max_samples: int | None = None) -> Iterator[dict]:
+def eval_batches(
+    reader, shards: list[str], batch_size: int, max_seq_len: int, pad_id: int, max_samples: int | None = None
+) -> Iterator[dict]:
     """Held-out batches: one sample per row (so per-sample figures are per row), in store
     order; the first `max_samples` samples only (None: all), so that an evaluation every
     `eval_every` steps costs the same at any corpus size."""

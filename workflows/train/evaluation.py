@@ -6,6 +6,7 @@ as edges: long contexts are where drafts usually fall off), and walk acceptance 
 sample's prompt length (tokens before the first trained token). Batches hold one sample
 per row (workflows.train.data.eval_batches), so a row is a sample.
 """
+
 from __future__ import annotations
 
 import torch
@@ -51,8 +52,13 @@ def evaluate_heldout(draft, head, batches, loop_cfg, edges: list[int], device) -
         n_samples += batch["input_ids"].shape[0]  # one sample per row (eval_batches)
         w, c = s.weights.double().cpu(), s.correct.double().cpu()
         hits += (c * w).sum((0, 1))
-        sf_w = step_weights(batch["loss_mask"], batch["attention_mask"], length, segment_ids=batch.get("segment_ids"),
-                            rows="input").double().cpu()
+        sf_w = (
+            step_weights(
+                batch["loss_mask"], batch["attention_mask"], length, segment_ids=batch.get("segment_ids"), rows="input"
+            )
+            .double()
+            .cpu()
+        )
         sf_hits += (c * sf_w).sum((0, 1))
         sf_counts += sf_w.sum((0, 1))
         row_hits, row_counts = (c * sf_w).sum(1), sf_w.sum(1)  # [B, L]: one sample per row
@@ -70,8 +76,13 @@ def evaluate_heldout(draft, head, batches, loop_cfg, edges: list[int], device) -
         correct, loss_mask, attn = s.correct.cpu(), batch["loss_mask"].cpu(), batch["attention_mask"].cpu()
         segments = batch["segment_ids"].cpu()
         for b in range(correct.shape[0]):
-            acc = acceptance(correct[b : b + 1], loss_mask[b : b + 1], attn[b : b + 1], loop_cfg.acceptance_k,
-                             segment_ids=segments[b : b + 1])
+            acc = acceptance(
+                correct[b : b + 1],
+                loss_mask[b : b + 1],
+                attn[b : b + 1],
+                loop_cfg.acceptance_k,
+                segment_ids=segments[b : b + 1],
+            )
             total = acc if total is None else total.merge(acc)
             trained = loss_mask[b].nonzero()
             prompt_len = int(trained[0]) if len(trained) else int(attn[b].sum())
@@ -79,7 +90,10 @@ def evaluate_heldout(draft, head, batches, loop_cfg, edges: list[int], device) -
             by_prompt[key] = acc if key not in by_prompt else by_prompt[key].merge(acc)
     if total is None:
         raise ValueError("held-out evaluation got no batch")
-    rate = lambda h, n: [float(a / b) if b else float("nan") for a, b in zip(h.tolist(), n.tolist())]
+
+    def rate(h, n):
+        return [float(a / b) if b else float("nan") for a, b in zip(h.tolist(), n.tolist())]
+
     return {
         **total.as_dict(),
         "loss": loss_sum / n_batches,
@@ -91,8 +105,11 @@ def evaluate_heldout(draft, head, batches, loop_cfg, edges: list[int], device) -
         # averages per batch and was reported at batch 1 (README, the equal-data comparison).
         "step_acc_specforge_per_sample": rate(sf_sample_sum, sf_samples),
         "step_alpha": rate(alphas, counts),  # mean sum_v min(p_target, p_draft) per step
-        "step_acc_by_position": {names[i]: rate(pos_hits[i], pos_counts[i]) for i in range(len(names))
-                                 if pos_counts[i, 0] > 0},
-        "acceptance_walk_by_prompt_length": {k: {"acceptance_walk": v.walk, "passes": v.passes}
-                                             for k, v in sorted(by_prompt.items(), key=lambda kv: names.index(kv[0]))},
+        "step_acc_by_position": {
+            names[i]: rate(pos_hits[i], pos_counts[i]) for i in range(len(names)) if pos_counts[i, 0] > 0
+        },
+        "acceptance_walk_by_prompt_length": {
+            k: {"acceptance_walk": v.walk, "passes": v.passes}
+            for k, v in sorted(by_prompt.items(), key=lambda kv: names.index(kv[0]))
+        },
     }

@@ -5,6 +5,7 @@ NCCL with `train.gpus_per_worker > 0`), and owns the checkpoints: each worker ha
 part to `ray.train.report`, and a rerun of the same run folder finds them in
 `train/ray/draft/` and gives each worker the latest through `ray.train.get_checkpoint()`.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -62,8 +63,9 @@ def trainer_class():
 
     class Trainer(TorchTrainer):
         def _create_default_callbacks(self):
-            return [c for c in super()._create_default_callbacks()
-                    if type(c).__name__ != "PlacementGroupCleanerCallback"]
+            return [
+                c for c in super()._create_default_callbacks() if type(c).__name__ != "PlacementGroupCleanerCallback"
+            ]
 
     return Trainer
 
@@ -80,14 +82,18 @@ def run_with_ray(cfg, job: TrainJob, train_dir: Path) -> None:
     trainer = TorchTrainer(
         train_worker,
         train_loop_config={"job": job.as_dict(), "use_gpu": use_gpu, "threads": max(1, int(t.cpus_per_worker))},
-        scaling_config=ray.train.ScalingConfig(num_workers=t.num_workers, use_gpu=use_gpu,
-                                               resources_per_worker=resources),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=t.num_workers, use_gpu=use_gpu, resources_per_worker=resources
+        ),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         run_config=ray.train.RunConfig(
-            name=ckpt.RAY_RUN_NAME, storage_path=str(ckpt.ray_run_dir(train_dir).parent),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=t.keep_checkpoints,
-                                                         checkpoint_score_attribute="acceptance_walk",
-                                                         checkpoint_score_order="max"),
+            name=ckpt.RAY_RUN_NAME,
+            storage_path=str(ckpt.ray_run_dir(train_dir).parent),
+            checkpoint_config=ray.train.CheckpointConfig(
+                num_to_keep=t.keep_checkpoints,
+                checkpoint_score_attribute="acceptance_walk",
+                checkpoint_score_order="max",
+            ),
             failure_config=ray.train.FailureConfig(max_failures=0),
         ),
     )

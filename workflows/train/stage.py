@@ -22,6 +22,7 @@ Outputs in `<run_dir>/train/`:
     metrics.jsonl    one record per logged step
     metrics.json     final held-out evaluation: per-step accuracy, walk acceptance, breakdowns
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,8 +56,10 @@ def data_source(cfg: FullConfig, layout: RunLayout) -> str:
 def backend_of(cfg: FullConfig, source: str) -> str:
     if source == "online":
         if cfg.train.backend == "ray":
-            raise ConfigError("train.backend=ray trains from the store: run the capture stage first, or set "
-                              "train.backend=local for online states")
+            raise ConfigError(
+                "train.backend=ray trains from the store: run the capture stage first, or set "
+                "train.backend=local for online states"
+            )
         return "online"
     return "plain" if cfg.train.backend == "local" else "deepspeed"
 
@@ -64,14 +67,28 @@ def backend_of(cfg: FullConfig, source: str) -> str:
 def resume_fields(cfg: FullConfig, backend: str, store_key: str) -> dict:
     """What a checkpoint must agree on to be resumed: the data, the schedule, the maths."""
     t = cfg.train
-    return {"data": store_key, "ttt": to_dict(t.ttt), "objective": to_dict(t.objective), "steps": t.steps,
-            "optim": to_dict(t.optim),
-            "world_size": t.num_workers if backend == "deepspeed" else 1, "backend": backend,
-            "batching": {"batch_size": t.batch_size, "packing": t.packing, "max_seq_len": t.max_seq_len,
-                         "rows_per_batch": t.rows_per_batch, "shuffle_window": t.shuffle_window,
-                         "grad_accum": t.grad_accum},
-            "draft": to_dict(cfg.draft), "seed": cfg.seed, "compute_dtype": t.compute_dtype,
-            "zero_stage": t.zero_stage if backend == "deepspeed" else None, "init_from": t.init_from}
+    return {
+        "data": store_key,
+        "ttt": to_dict(t.ttt),
+        "objective": to_dict(t.objective),
+        "steps": t.steps,
+        "optim": to_dict(t.optim),
+        "world_size": t.num_workers if backend == "deepspeed" else 1,
+        "backend": backend,
+        "batching": {
+            "batch_size": t.batch_size,
+            "packing": t.packing,
+            "max_seq_len": t.max_seq_len,
+            "rows_per_batch": t.rows_per_batch,
+            "shuffle_window": t.shuffle_window,
+            "grad_accum": t.grad_accum,
+        },
+        "draft": to_dict(cfg.draft),
+        "seed": cfg.seed,
+        "compute_dtype": t.compute_dtype,
+        "zero_stage": t.zero_stage if backend == "deepspeed" else None,
+        "init_from": t.init_from,
+    }
 
 
 def worker_device(cfg: FullConfig, backend: str) -> str:
@@ -104,9 +121,14 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     out = layout.stage_dir("train")
     _, vocab_summary = layout.read_vocab()
     identity = identity_for(cfg, target_path)
-    key = {"train": output_dict(cfg.train), "draft": output_dict(cfg.draft), "seed": cfg.seed, "target": identity,
-           "capture_layer_ids": cfg.target.capture_ids,
-           **layout.chain("generate", "vocab", *(["capture"] if source == "store" else []))}
+    key = {
+        "train": output_dict(cfg.train),
+        "draft": output_dict(cfg.draft),
+        "seed": cfg.seed,
+        "target": identity,
+        "capture_layer_ids": cfg.target.capture_ids,
+        **layout.chain("generate", "vocab", *(["capture"] if source == "store" else [])),
+    }
     if stage_is_done(out, key):
         log(f"train: reusing {out}")
         return out
@@ -118,9 +140,11 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     else:
         final = train_from_store(cfg, layout, target_path, identity, provenance, backend)
     mark_done(out, key, {k: final[k] for k in ("acceptance_walk", "acceptance_per_position_average", "k")})
-    log(f"train: held-out acceptance (walk, k={final['k']}) {final['acceptance_walk']:.3f}; "
+    log(
+        f"train: held-out acceptance (walk, k={final['k']}) {final['acceptance_walk']:.3f}; "
         f"per-position average {final['acceptance_per_position_average']:.3f}; step acc "
-        f"{[round(a, 3) for a in final['step_acc']]}")
+        f"{[round(a, 3) for a in final['step_acc']]}"
+    )
     return out
 
 
@@ -146,29 +170,42 @@ def job_config(cfg: FullConfig) -> dict:
     return config
 
 
-def train_from_store(cfg: FullConfig, layout: RunLayout, target_path: Path, identity: dict, provenance: dict,
-                     backend: str) -> dict:
+def train_from_store(
+    cfg: FullConfig, layout: RunLayout, target_path: Path, identity: dict, provenance: dict, backend: str
+) -> dict:
     out = layout.stage_dir("train")
     expect = capture_contract(cfg, identity)
     reader = layout.open_store(expect=expect)
     train_shards, heldout_shards = reader.shard_names("train"), reader.shard_names("heldout")
     if not train_shards:
-        raise StoreError(f"store {layout.store_url}: no committed shard of the train split (shards are named "
-                         "train-*/heldout-* since format 2 of the capture plan); rerun stages=[capture] into a new "
-                         "store")
+        raise StoreError(
+            f"store {layout.store_url}: no committed shard of the train split (shards are named "
+            "train-*/heldout-* since format 2 of the capture plan); rerun stages=[capture] into a new "
+            "store"
+        )
     if not heldout_shards:
         log("train: the store has no held-out shard (data.heldout_fraction too small?); evaluating on train data")
     fields = resume_fields(cfg, backend, layout.require_done("capture"))
     latest = resumable_checkpoint(cfg, layout, backend, fields)
-    job = TrainJob(config=job_config(cfg), target_path=str(Path(target_path).resolve()), store_url=layout.store_url,
-                   storage_options=dict(layout.storage_options), expect=expect,
-                   final_is_normed=bool(reader.provenance.get("final_is_normed", FINAL_IS_NORMED)),
-                   provenance=provenance, resume_fields=fields, train_shards=train_shards,
-                   heldout_shards=heldout_shards, backend=backend)
+    job = TrainJob(
+        config=job_config(cfg),
+        target_path=str(Path(target_path).resolve()),
+        store_url=layout.store_url,
+        storage_options=dict(layout.storage_options),
+        expect=expect,
+        final_is_normed=bool(reader.provenance.get("final_is_normed", FINAL_IS_NORMED)),
+        provenance=provenance,
+        resume_fields=fields,
+        train_shards=train_shards,
+        heldout_shards=heldout_shards,
+        backend=backend,
+    )
     t = cfg.train
-    log(f"train: {len(train_shards)} train / {len(heldout_shards)} held-out shards of {layout.store_url}, "
+    log(
+        f"train: {len(train_shards)} train / {len(heldout_shards)} held-out shards of {layout.store_url}, "
         f"{t.steps} steps, TTT length {t.ttt.length}, {'packed to ' + str(t.max_seq_len) if t.packing else 'padded'}"
-        f", {t.compute_dtype}")
+        f", {t.compute_dtype}"
+    )
     if backend == "deepspeed":
         from workflows.train.ray_job import run_with_ray
 
@@ -189,9 +226,15 @@ def online_shards(engine, rows: list[dict], split: str, shard_samples: int) -> d
         part = rows[start : start + shard_samples]
         states = engine.states([r["input_ids"] for r in part])
         shards[f"{split}-{start // shard_samples:05d}"] = [
-            {"id": r["id"], "input_ids": torch.tensor(r["input_ids"], dtype=torch.int64),
-             "loss_mask": torch.tensor(r["loss_mask"], dtype=torch.int64), "aux": aux.cpu(), "final": final.cpu()}
-            for r, (aux, final) in zip(part, states)]
+            {
+                "id": r["id"],
+                "input_ids": torch.tensor(r["input_ids"], dtype=torch.int64),
+                "loss_mask": torch.tensor(r["loss_mask"], dtype=torch.int64),
+                "aux": aux.cpu(),
+                "final": final.cpu(),
+            }
+            for r, (aux, final) in zip(part, states)
+        ]
     return shards
 
 
@@ -205,22 +248,42 @@ def train_online(cfg: FullConfig, layout: RunLayout, target_path: Path, provenan
     if not train_rows:
         raise InputError(f"{layout.corpus_shards}: the corpus has no train-split sample")
     device = cfg.train.device
-    engine = HFEngine(EngineSpec(str(target_path), dtype=resolve(cfg.train.capture_dtype, device), device=device,
-                                 layer_ids=cfg.target.capture_ids, trust_remote_code=cfg.target.trust_remote_code))
+    engine = HFEngine(
+        EngineSpec(
+            str(target_path),
+            dtype=resolve(cfg.train.capture_dtype, device),
+            device=device,
+            layer_ids=cfg.target.capture_ids,
+            trust_remote_code=cfg.target.trust_remote_code,
+        )
+    )
     cfg.target.check_against_hf_config(engine.model.config)
     shard_samples = cfg.capture.shard_samples
-    shards = {**online_shards(engine, train_rows, "train", shard_samples),
-              **online_shards(engine, heldout_rows, "heldout", shard_samples)}
+    shards = {
+        **online_shards(engine, train_rows, "train", shard_samples),
+        **online_shards(engine, heldout_rows, "heldout", shard_samples),
+    }
     pad_id, final_is_normed = engine.pad_id, engine.final_is_normed
     del engine  # the target's layers are no longer needed; keep memory for training
     fields = resume_fields(cfg, "plain", f"online:{layout.require_done('generate')}:{layout.require_done('vocab')}")
     latest = resumable_checkpoint(cfg, layout, "plain", fields)
-    log(f"train: {len(train_rows)} train / {len(heldout_rows)} held-out samples (online, in this process), "
-        f"{cfg.train.steps} steps")
-    job = TrainJob(config=job_config(cfg), target_path=str(Path(target_path).resolve()),
-                   store_url=f"online states of {layout.corpus_shards}", storage_options={}, expect={},
-                   final_is_normed=final_is_normed, provenance=provenance, resume_fields=fields,
-                   train_shards=[n for n in shards if n.startswith("train-")],
-                   heldout_shards=[n for n in shards if n.startswith("heldout-")], backend="plain", pad_id=pad_id)
+    log(
+        f"train: {len(train_rows)} train / {len(heldout_rows)} held-out samples (online, in this process), "
+        f"{cfg.train.steps} steps"
+    )
+    job = TrainJob(
+        config=job_config(cfg),
+        target_path=str(Path(target_path).resolve()),
+        store_url=f"online states of {layout.corpus_shards}",
+        storage_options={},
+        expect={},
+        final_is_normed=final_is_normed,
+        provenance=provenance,
+        resume_fields=fields,
+        train_shards=[n for n in shards if n.startswith("train-")],
+        heldout_shards=[n for n in shards if n.startswith("heldout-")],
+        backend="plain",
+        pad_id=pad_id,
+    )
     Trainer(job, samples=SamplesInMemory(shards, job.store_url)).fit(latest)
     return read_json(layout.stage_dir("train") / "metrics.json")

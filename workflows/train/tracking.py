@@ -3,6 +3,7 @@
 W&B runs when `tracking.wandb` is on, offline by default (no account, no network: `wandb
 sync` later); the config it records is redacted (workflows.core.provenance.redacted).
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,7 @@ def keep_steps_before(file: Path, step: int) -> None:
     from a checkpoint after `step` steps logs them again), so each step stays in the file once."""
     if not file.exists():
         return
-    kept = [line for line in file.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] < step]
+    kept = [line for line in file.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
     write_bytes_atomic(file, "".join(line + "\n" for line in kept).encode())
 
 
@@ -52,9 +52,16 @@ class Tracker:
             import wandb
 
             # x_disable_meta: W&B would otherwise record the command line, secrets and all.
-            self.run = wandb.init(project=cfg.tracking.project, dir=str(cfg.run_path), mode=cfg.tracking.mode,
-                                  config=redacted(cfg), reinit="finish_previous", id=wandb_run_id(folder, resume_step),
-                                  resume="allow", settings=wandb.Settings(x_disable_meta=True))
+            self.run = wandb.init(
+                project=cfg.tracking.project,
+                dir=str(cfg.run_path),
+                mode=cfg.tracking.mode,
+                config=redacted(cfg),
+                reinit="finish_previous",
+                id=wandb_run_id(folder, resume_step),
+                resume="allow",
+                settings=wandb.Settings(x_disable_meta=True),
+            )
 
     def __call__(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
@@ -62,7 +69,11 @@ class Tracker:
         ev = record.get("eval", {})
         msg = f"step {record['step'] + 1}: loss {record['loss']:.4f} acc0 {record['step_acc'][0]:.3f}"
         if ev:
-            msg += f" | eval acc0 {ev['step_acc'][0]:.3f} alpha0 {ev.get('step_alpha', [float('nan')])[0]:.3f} acceptance(walk, k={ev['k']}) {ev['acceptance_walk']:.3f}"
+            alpha0 = ev.get("step_alpha", [float("nan")])[0]
+            msg += (
+                f" | eval acc0 {ev['step_acc'][0]:.3f} alpha0 {alpha0:.3f} "
+                f"acceptance(walk, k={ev['k']}) {ev['acceptance_walk']:.3f}"
+            )
         if "tokens_per_s" in record:
             msg += f" | {record['tokens_per_s']:.0f} tok/s"
             self.tokens.throughput(record["tokens_per_s"])

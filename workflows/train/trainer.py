@@ -16,6 +16,7 @@ loop state, so that a resume continues the same data, noise and schedule bit for
 A job (`TrainJob`) carries only plain values with absolute paths: it crosses Ray to
 workers that may run on another node of the cluster.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -25,7 +26,6 @@ import torch
 
 from eagle3.modeling import Eagle3Draft
 from eagle3.schema import from_dict
-from workflows.core.target_weights import read_embeddings, read_head_and_norm, read_target_head
 from eagle3.training import LoopHooks, PlainOptimizer, fit, make_optimizer
 from storage.reader import StoreReader
 from workflows.core.config import FullConfig
@@ -33,6 +33,7 @@ from workflows.core.draft_files import load_draft_weights, save_draft
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
 from workflows.core.markers import atomic_dir, write_json_atomic
+from workflows.core.target_weights import read_embeddings, read_head_and_norm, read_target_head
 from workflows.train import checkpoint as ckpt
 from workflows.train.data import BatchSettings, BatchStream, StreamPosition, eval_batches
 from workflows.train.evaluation import evaluate_heldout
@@ -59,8 +60,14 @@ class TrainJob:
 
 
 def batch_settings(train, pad_id: int) -> BatchSettings:
-    return BatchSettings(batch_size=train.batch_size, packing=train.packing, max_seq_len=train.max_seq_len,
-                         rows_per_batch=train.rows_per_batch, window=train.shuffle_window, pad_id=pad_id)
+    return BatchSettings(
+        batch_size=train.batch_size,
+        packing=train.packing,
+        max_seq_len=train.max_seq_len,
+        rows_per_batch=train.rows_per_batch,
+        window=train.shuffle_window,
+        pad_id=pad_id,
+    )
 
 
 def build_draft(cfg: FullConfig, target_path: str, vocab) -> Eagle3Draft:
@@ -114,9 +121,9 @@ class DeepSpeedStep:
             "wall_clock_breakdown": False,
         }
         optimizer = make_optimizer(draft, t.optim)
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(args=deepspeed_args(device), model=draft,
-                                                                 optimizer=optimizer, config=ds_config,
-                                                                 dist_init_required=False)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            args=deepspeed_args(device), model=draft, optimizer=optimizer, config=ds_config, dist_init_required=False
+        )
         self.base_optimizer = optimizer
         self.module = self.engine.module
 
@@ -138,8 +145,9 @@ class DeepSpeedStep:
         self.engine.save_checkpoint(str(folder), tag=self.TAG)
 
     def load(self, folder: Path) -> None:
-        self.engine.load_checkpoint(str(folder), tag=self.TAG, load_optimizer_states=True,
-                                    load_lr_scheduler_states=False)
+        self.engine.load_checkpoint(
+            str(folder), tag=self.TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
 
 
 def deepspeed_args(device: torch.device):
@@ -153,8 +161,7 @@ def deepspeed_args(device: torch.device):
 
 
 class Trainer:
-    def __init__(self, job: TrainJob, rank: int = 0, world: int = 1, device: torch.device | None = None,
-                 samples=None):
+    def __init__(self, job: TrainJob, rank: int = 0, world: int = 1, device: torch.device | None = None, samples=None):
         """`samples`: a reader of the job's shards held in memory (online states); None: the store."""
         self.job, self.rank, self.world = job, rank, world
         self.cfg = cfg = from_dict(FullConfig, job.config, "config")
@@ -165,18 +172,30 @@ class Trainer:
         draft = build_draft(cfg, job.target_path, vocab).to(self.device)
         head_dtype = torch.bfloat16 if cfg.train.compute_dtype == "bfloat16" else torch.float32
         self.head = read_target_head(Path(job.target_path), job.final_is_normed).to(self.device, head_dtype)
-        self.reader = samples if samples is not None else StoreReader(
-            job.store_url, job.storage_options, expect=job.expect, on_corrupt=cfg.train.on_corrupt_shard)
-        self.opt = (DeepSpeedStep(draft, cfg, world, self.device) if job.backend == "deepspeed"
-                    else PlainStep(draft, cfg))
+        self.reader = (
+            samples
+            if samples is not None
+            else StoreReader(
+                job.store_url, job.storage_options, expect=job.expect, on_corrupt=cfg.train.on_corrupt_shard
+            )
+        )
+        self.opt = (
+            DeepSpeedStep(draft, cfg, world, self.device) if job.backend == "deepspeed" else PlainStep(draft, cfg)
+        )
         self.draft = self.opt.module
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed + rank)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict:
         t = self.loop_cfg
-        batches = eval_batches(self.reader, self.job.heldout_shards or self.job.train_shards, t.batch_size,
-                               t.max_seq_len, self.job.pad_id, max_samples=t.eval_max_samples)
+        batches = eval_batches(
+            self.reader,
+            self.job.heldout_shards or self.job.train_shards,
+            t.batch_size,
+            t.max_seq_len,
+            self.job.pad_id,
+            max_samples=t.eval_max_samples,
+        )
         return evaluate_heldout(self.draft, self.head, batches, t, self.cfg.evaluate.length_buckets, self.device)
 
     # ------------------------------------------------------------------ the loop
@@ -196,20 +215,30 @@ class Trainer:
             best = state.get("best")
             if self.rank == 0:
                 log(f"train: resuming at step {start} (epoch {position.epoch}, batch {position.batches})")
-        stream = BatchStream(self.reader, self.job.train_shards, batch_settings(t, self.job.pad_id), self.cfg.seed,
-                             self.rank, self.world, start=position, prefetch=t.prefetch_batches,
-                             pin=self.device.type == "cuda")
+        stream = BatchStream(
+            self.reader,
+            self.job.train_shards,
+            batch_settings(t, self.job.pad_id),
+            self.cfg.seed,
+            self.rank,
+            self.world,
+            start=position,
+            prefetch=t.prefetch_batches,
+            pin=self.device.type == "cuda",
+        )
         tracker = Tracker(self.cfg, self.layout.stage_dir("train"), resume_step=start) if self.rank == 0 else None
 
         def next_batches() -> list[dict]:
-            return [{k: v.to(self.device, non_blocking=True) for k, v in next(stream).items()}
-                    for _ in range(t.grad_accum)]
+            return [
+                {k: v.to(self.device, non_blocking=True) for k, v in next(stream).items()} for _ in range(t.grad_accum)
+            ]
 
         hooks = LoopHooks(
             evaluate=self._evaluate_on_rank0,
             log=None if tracker is None else (lambda record: tracker({**record, "epoch": stream.position.epoch})),
             checkpoint=lambda done, best, last: self._checkpoint(done, stream.position, best, last, report),
-            reduce=self._mean_over_workers if self.world > 1 else None)
+            reduce=self._mean_over_workers if self.world > 1 else None,
+        )
         try:
             state = fit(self.opt, self.head, next_batches, t, self.generator, hooks, start=start, best=best)
         finally:
@@ -217,9 +246,16 @@ class Trainer:
         last_eval, best = state.last_eval, state.best
         final = self._evaluate_on_rank0() if last_eval is None else last_eval
         if self.rank == 0:
-            final = {**final, "best": best, "stream": {"samples": stream.counts.samples, "tokens": stream.counts.tokens,
-                                                        "truncated": stream.counts.truncated},
-                     "skipped_shards": dict(self.reader.skipped)}
+            final = {
+                **final,
+                "best": best,
+                "stream": {
+                    "samples": stream.counts.samples,
+                    "tokens": stream.counts.tokens,
+                    "truncated": stream.counts.truncated,
+                },
+                "skipped_shards": dict(self.reader.skipped),
+            }
             with atomic_dir(self.layout.draft_dir) as tmp:
                 save_draft(tmp, self.draft, self.job.provenance)
             write_json_atomic(self.layout.stage_dir("train") / "metrics.json", final)
@@ -249,9 +285,14 @@ class Trainer:
         return result
 
     def _checkpoint(self, step: int, position: StreamPosition, best, last_eval, report) -> None:
-        state = {"step": step, "position": position.as_dict(), "best": best,
-                 "generator": ckpt.encode_state(self.generator.get_state()),
-                 "resume_fields": self.job.resume_fields, "world_size": self.world}
+        state = {
+            "step": step,
+            "position": position.as_dict(),
+            "best": best,
+            "generator": ckpt.encode_state(self.generator.get_state()),
+            "resume_fields": self.job.resume_fields,
+            "world_size": self.world,
+        }
         if report is None:  # the plain backend: one folder, replaced whole
             with atomic_dir(self.layout.checkpoint_dir) as tmp:
                 self.opt.save(tmp)

@@ -7,6 +7,7 @@ Plain torch and Python loops: a CPU server here decodes one or a few sequences, 
 ops touch a handful of indices per request. Anything else imported from `sgl_kernel`
 still raises ImportError, as it did without this package.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -26,24 +27,27 @@ def _row_offsets(start: torch.Tensor, end: torch.Tensor) -> list[tuple[int, int,
     return out
 
 
-def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
-                                 pool_len: int) -> None:
+def assign_req_to_token_pool_cpu(
+    req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len: int
+) -> None:
     """mem_cache/allocation.py `assign_req_to_token_pool`: request i's row of the
     req->token table, columns start..end, takes the next end-start packed cache slots."""
     for i, (s, e, off) in zip(req_pool_indices.tolist(), _row_offsets(start_offset, end_offset)):
         req_to_token[i, s:e] = out_cache_loc[off : off + e - s].to(req_to_token.dtype)
 
 
-def assign_extend_cache_locs_cpu(req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc,
-                                 pool_len: int) -> None:
+def assign_extend_cache_locs_cpu(
+    req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len: int
+) -> None:
     """speculative/cache_locs.py `assign_extend_cache_locs`: the reverse gather, the
     table's columns start..end of each request packed into `out_cache_loc`."""
     for i, (s, e, off) in zip(req_pool_indices.tolist(), _row_offsets(start_offset, end_offset)):
         out_cache_loc[off : off + e - s] = req_to_token[i, s:e].to(out_cache_loc.dtype)
 
 
-def assign_draft_cache_locs_contiguous_cpu(req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len: int,
-                                           topk: int, num_cols: int) -> None:
+def assign_draft_cache_locs_contiguous_cpu(
+    req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len: int, topk: int, num_cols: int
+) -> None:
     """speculative/cache_locs.py `assign_draft_cache_locs_contiguous`: request b's
     `topk * num_cols` slots after its committed length, in the table's order."""
     width = topk * num_cols
@@ -94,9 +98,20 @@ def _parent_position(selected: list[int], parents: list[int], index: int, topk: 
     return None
 
 
-def build_tree_kernel_efficient_cpu(parent_list, selected_index, verified_seq_len, tree_mask, positions,
-                                    retrieve_index, retrieve_next_token, retrieve_next_sibling, topk: int,
-                                    depth: int, draft_token_num: int, tree_mask_mode: int) -> None:
+def build_tree_kernel_efficient_cpu(
+    parent_list,
+    selected_index,
+    verified_seq_len,
+    tree_mask,
+    positions,
+    retrieve_index,
+    retrieve_next_token,
+    retrieve_next_sibling,
+    topk: int,
+    depth: int,
+    draft_token_num: int,
+    tree_mask_mode: int,
+) -> None:
     """speculative/spec_tree.py `sgl_build_tree_kernel_efficient_triton`: from the chosen
     candidates (`selected_index`, into the flattened draft steps) and their parents, the
     verify tree's retrieval links (first child, next sibling), each token's position and
@@ -104,8 +119,7 @@ def build_tree_kernel_efficient_cpu(parent_list, selected_index, verified_seq_le
     left as the caller filled it; QLEN_ONLY: [draft, draft])."""
     D = draft_token_num
     mask = tree_mask.view(-1)
-    index, next_token, next_sibling = (t.view(-1) for t in (retrieve_index, retrieve_next_token,
-                                                            retrieve_next_sibling))
+    index, next_token, next_sibling = (t.view(-1) for t in (retrieve_index, retrieve_next_token, retrieve_next_sibling))
     pos = positions.view(-1)
     parents2d = parent_list.view(1, -1) if parent_list.dim() == 1 else parent_list
     seq_lens = verified_seq_len.tolist()
@@ -144,8 +158,16 @@ def build_tree_kernel_efficient_cpu(parent_list, selected_index, verified_seq_le
         prefix_sum += seq_len
 
 
-def verify_tree_greedy_cpu(predicts, accept_index, accept_token_num, candidates, retrive_index,
-                           retrive_next_token, retrive_next_sibling, target_predict) -> None:
+def verify_tree_greedy_cpu(
+    predicts,
+    accept_index,
+    accept_token_num,
+    candidates,
+    retrive_index,
+    retrive_next_token,
+    retrive_next_sibling,
+    target_predict,
+) -> None:
     """speculative/spec_tree.py `verify_tree_greedy_kernel_triton`: walk each request's tree
     from the root, following the child whose token is the target's greedy choice at its
     parent; the accepted path's flat indices go to accept_index, the target's choices to

@@ -17,6 +17,7 @@ supply them:
 first imported, in whichever process imports it (SGLang's scheduler runs in child
 processes). Standard library only here: most processes never import SGLang.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -1,9 +1,10 @@
 """The draft's attention backends with torch_native attention on a CPU (see __init__)."""
+
 from __future__ import annotations
 
 import torch
-
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
 from sglang_cpu_eagle.verify import attend, write_kv
 
 BACKEND = "torch_native"
@@ -23,8 +24,9 @@ class DraftDecodeStep(TorchNativeAttnBackend):
         q_ = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        out = torch.stack([attend(q_[j : j + 1], k_cache, v_cache, slots, None, layer)[0]
-                           for j, slots in enumerate(self.query_slots)])
+        out = torch.stack(
+            [attend(q_[j : j + 1], k_cache, v_cache, slots, None, layer)[0] for j, slots in enumerate(self.query_slots)]
+        )
         return out.view(q_.shape[0], -1)
 
 
@@ -72,8 +74,7 @@ def patch_draft_utils(module) -> None:
     def create_decode_backend(self):
         if self.speculative_num_steps <= 1 or not _uses_torch_native(self, module.attention_backends):
             return decode(self)
-        return _stamp(TorchNativeMultiStepDraftBackend(self.draft_model_runner, self.topk,
-                                                       self.speculative_num_steps))
+        return _stamp(TorchNativeMultiStepDraftBackend(self.draft_model_runner, self.topk, self.speculative_num_steps))
 
     def create_draft_extend_backend(self):
         if not _uses_torch_native(self, module.attention_backends):

@@ -5,12 +5,12 @@ SGLang's KV pool by slot index, with an explicit boolean mask: slow, plain and e
 check, which is what a CPU test server needs. This module imports nothing of SGLang's
 torch_native backend: it patches that module while the module loads.
 """
+
 from __future__ import annotations
 
 import torch
-from torch.nn.functional import scaled_dot_product_attention
-
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from torch.nn.functional import scaled_dot_product_attention
 
 
 def attend(q, k_cache, v_cache, slots, mask, layer) -> torch.Tensor:
@@ -18,9 +18,14 @@ def attend(q, k_cache, v_cache, slots, mask, layer) -> torch.Tensor:
     bool, True where a query may attend (None: everywhere). -> [n, heads, d_v]"""
     k = k_cache[slots].to(q.dtype).movedim(0, 1)  # [kv_heads, m, d]
     v = v_cache[slots].to(q.dtype).movedim(0, 1)
-    out = scaled_dot_product_attention(q.movedim(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                                       attn_mask=None if mask is None else mask[None, None],
-                                       scale=layer.scaling, enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num)
+    out = scaled_dot_product_attention(
+        q.movedim(0, 1).unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        attn_mask=None if mask is None else mask[None, None],
+        scale=layer.scaling,
+        enable_gqa=layer.tp_q_head_num != layer.tp_k_head_num,
+    )
     return out.squeeze(0).movedim(0, 1)
 
 

@@ -1,4 +1,5 @@
 """`rotary_embedding` with vLLM's contract, in pure torch (SGLang's CPU RoPE fallback)."""
+
 import torch
 
 
