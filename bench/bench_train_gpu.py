@@ -106,12 +106,14 @@ def run_one(
     dtype: str = "bfloat16",
     loss_block_rows: int = 0,
     compile_layer: bool = False,
+    activation_checkpointing: str = "none",
 ) -> dict:
     """Our step (eagle3.training.train_step, as the train stage runs it) at batch 1: seconds
     per step after one warm-up step, peak memory from the warm-up's end. `loss_block_rows`:
     train.objective.loss_block_rows (soft_ce in blocks of rows, eagle3.chunked_loss);
     `compile_layer`: the draft's decoder layer under torch.compile (its norms, MLP and rotary
-    are memory-bound elementwise chains that inductor fuses), a measurement only so far."""
+    are memory-bound elementwise chains that inductor fuses), a measurement only so far;
+    `activation_checkpointing`: train.activation_checkpointing ("mlp": the MLP recomputed)."""
     batch = random_batch(cfg, seq, device)
     g = torch.Generator(device="cpu").manual_seed(1)
     head_weight = (torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=g) * 0.02).to(device)
@@ -125,6 +127,7 @@ def run_one(
         ttt=TTTConfig(length=ttt),
         compute_dtype=dtype,
         objective=ObjectiveConfig(loss_block_rows=loss_block_rows),
+        activation_checkpointing=activation_checkpointing,
     )
     opt = PlainOptimizer(draft, loop.optim)
     generator = torch.Generator(device=device).manual_seed(0)

@@ -148,11 +148,9 @@ def train_step(plan: Plan) -> dict:
     rows = []
     for seq in plan.seqs:
         row = {"seq": seq}
-        for name, block, compiled in variants(plan):
+        for name, settings in variants(plan):
             try:
-                ours = run_one(
-                    cfg, seq, plan.ttt, dev, plan.steps, dtype=plan.dtype, loss_block_rows=block, compile_layer=compiled
-                )
+                ours = run_one(cfg, seq, plan.ttt, dev, plan.steps, dtype=plan.dtype, **settings)
                 row.update(
                     {
                         f"{name}_tokens_per_s": ours["tokens_per_s"],
@@ -195,10 +193,17 @@ def train_step(plan: Plan) -> dict:
     }
 
 
-def variants(plan: Plan) -> list[tuple[str, int, bool]]:
-    """Our step as the train stage runs it by default, with the loss in blocks, and with the
-    decoder layer compiled: (name, train.objective.loss_block_rows, compiled)."""
-    return [("ours", 0, False), ("blocks", plan.loss_block_rows, False), ("compiled", 0, True)]
+def variants(plan: Plan) -> list[tuple[str, dict]]:
+    """Our step as the train stage runs it by default; with the loss in blocks; lean (the
+    loss in blocks and the MLP recomputed: the least memory); with the decoder layer
+    compiled. (name, bench.bench_train_gpu.run_one's settings)."""
+    blocks = {"loss_block_rows": plan.loss_block_rows}
+    return [
+        ("ours", {}),
+        ("blocks", blocks),
+        ("lean", {**blocks, "activation_checkpointing": "mlp"}),
+        ("compiled", {"compile_layer": True}),
+    ]
 
 
 def time_steps(step, device: torch.device, steps: int) -> dict:
@@ -403,6 +408,7 @@ def table(results: dict) -> str:
         names = {
             "ours": "ours",
             "blocks": f"ours, loss in blocks of {step['loss_block_rows']}",
+            "lean": "ours, loss in blocks and MLP recomputed",
             "compiled": "ours, decoder layer compiled",
             "specforge": "SpecForge 0.2.0",
         }

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from eagle3.attention import AttentionState, upcast
 from eagle3.draft_config import DraftConfig
@@ -106,11 +107,18 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        # Activation checkpointing of the MLP while training (set by the training step, not
+        # part of the weights): its [T, intermediate] activations are recomputed in backward
+        # instead of kept, per TTT step, for one more MLP forward.
+        self.recompute_mlp = False
 
     def forward(self, embeds, hidden, positions, state: AttentionState) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         a = hidden + self.self_attn(x, positions, state)
-        return a + self.mlp(self.post_attention_layernorm(a))
+        h = self.post_attention_layernorm(a)
+        if self.recompute_mlp and torch.is_grad_enabled():
+            return a + checkpoint(self.mlp, h, use_reentrant=False)
+        return a + self.mlp(h)
 
 
 class Eagle3Draft(nn.Module):

@@ -65,6 +65,10 @@ class LoopConfig:
     # bf16 autocast: on GPUs and AMX CPUs the matmuls run several times faster, on CPUs
     # without bf16 units many times slower (bench/bench_train_step.py); fp32 is exact.
     compute_dtype: Literal["bfloat16", "float32"] = "float32"
+    # Recompute the draft's MLP in backward instead of keeping its [T, intermediate]
+    # activations (three per TTT step: 0.7 GiB a step at T 8192 and Llama-3.1-8B's 14336),
+    # for one more MLP forward; "none" keeps them (the faster choice where memory allows).
+    activation_checkpointing: Literal["none", "mlp"] = "none"
     acceptance_k: int = 4  # draft tokens per target pass in the simulated acceptance
     log_every: int = field(default=25, metadata=NOT_OUTPUT)
     eval_every: int = 100  # held-out evaluation, steps (and at the end, and at each checkpoint)
@@ -78,6 +82,10 @@ class LoopConfig:
         check_ranges(
             self, where, steps=">=1", acceptance_k=">=1", log_every=">=1", eval_every=">=1", checkpoint_every=">=0"
         )
+        if self.activation_checkpointing not in ("none", "mlp"):
+            raise ConfigError(
+                f"{where}.activation_checkpointing={self.activation_checkpointing!r} is not one of ['none', 'mlp']"
+            )
         if self.acceptance_k > self.ttt.length:
             raise ConfigError(
                 f"{where}.acceptance_k={self.acceptance_k} exceeds {where}.ttt.length={self.ttt.length}: "
@@ -186,6 +194,7 @@ def train_step(opt, head, micro_batches: list[dict], lr: float, cfg: LoopConfig,
     step every backend runs: `opt` is a PlainOptimizer or the DeepSpeed engine's wrapper.
     Returns the step's figures, averaged over its micro-batches."""
     opt.begin(lr)
+    opt.module.midlayer.recompute_mlp = cfg.activation_checkpointing == "mlp"
     scores = []
     for batch in micro_batches:
         with autocast_for(cfg.compute_dtype, batch["input_ids"].device):

@@ -37,7 +37,7 @@ def test_the_gpu_suite_dry_run_passes_every_section(tmp_path):
     assert r["gpu_tests"]["summary"].startswith("4 passed")  # flex x2, flex memory, store batches on the device
     row = r["train_step"]["rows"][0]
     # Every variant of our step ran (a failing one leaves its error instead of its figures).
-    for name in ("ours", "blocks", "compiled", "specforge"):
+    for name in ("ours", "blocks", "lean", "compiled", "specforge"):
         assert isinstance(row.get(f"{name}_tokens_per_s"), float), (name, row.get(name))
     assert row["specforge_backend"] == "sdpa" and r["train_step"]["loss_block_rows"] == 16
     assert row["speedup"] == pytest.approx(row["ours_tokens_per_s"] / row["specforge_tokens_per_s"])

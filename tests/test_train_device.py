@@ -185,3 +185,48 @@ def test_a_ttt_step_saves_one_draft_vocab_distribution_for_backward(t, vd, h, ki
     per_step = (saved_bytes(t, vd, h, 3, kind, block) - saved_bytes(t, vd, h, 1, kind, block)) / 2
     bound = 4 * t * (vd_tensors * vd + 24 * h + 2 * 2 * t)
     assert per_step <= bound, (per_step / (4 * t * vd), "[T, Vd] fp32 tensors per step")
+
+
+def test_recomputing_the_mlp_keeps_the_gradients_and_drops_its_activations():
+    """train.activation_checkpointing=mlp: the same loss and gradients (float64), and per TTT
+    step autograd no longer keeps the MLP's three [T, intermediate] activations."""
+    cfg = tiny_draft_config(intermediate_size=256)
+    g = torch.Generator().manual_seed(0)
+    t = 48
+    batch = {
+        "input_ids": torch.randint(0, cfg.vocab_size, (1, t), generator=g),
+        "loss_mask": torch.ones(1, t, dtype=torch.long),
+        "attention_mask": torch.ones(1, t, dtype=torch.bool),
+        "aux": torch.randn(1, t, 3 * cfg.target_hidden_size, generator=g).double(),
+        "final": torch.randn(1, t, cfg.target_hidden_size, generator=g).double(),
+    }
+    head = TargetHead(torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=g).double())
+    runs = {}
+    for mode in ("none", "mlp"):
+        draft = random_draft(cfg, seed=0)
+        loop = LoopConfig(
+            steps=1,
+            ttt=TTTConfig(length=3, attention="dense"),
+            optim=OptimConfig(lr=1e-3),
+            compute_dtype="float32",
+            activation_checkpointing=mode,
+        )
+        opt = PlainOptimizer(draft, loop.optim)
+        opt.optimizer.step = lambda: None  # keep the weights: compare the gradients of one step
+        storages = {}
+
+        def pack(x):
+            storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            loss = train_step(opt, head, [batch], 1e-3, loop)["loss"]
+        runs[mode] = loss, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}, storages
+    (loss_a, grads_a, saved_a), (loss_b, grads_b, saved_b) = runs["none"], runs["mlp"]
+    assert loss_b == pytest.approx(loss_a, rel=1e-12) and grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], msg=name)
+    mlp_bytes = 3 * t * cfg.intermediate_size * 8  # gate, up and their product, float64, per step
+    assert sum(saved_a.values()) - sum(saved_b.values()) >= 3 * 0.9 * mlp_bytes  # three TTT steps
+    with pytest.raises(ConfigError, match=r"train.activation_checkpointing='all' is not one of"):
+        LoopConfig(activation_checkpointing="all").validate()
