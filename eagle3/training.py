@@ -68,7 +68,8 @@ class LoopConfig:
     # Recompute the draft's MLP in backward instead of keeping its [T, intermediate]
     # activations (three per TTT step: 0.7 GiB a step at T 8192 and Llama-3.1-8B's 14336),
     # for one more MLP forward; "none" keeps them (the faster choice where memory allows).
-    activation_checkpointing: Literal["none", "mlp"] = "none"
+    # The same arithmetic either way, so it is not part of what the train stage produced.
+    activation_checkpointing: Literal["none", "mlp"] = field(default="none", metadata=NOT_OUTPUT)
     acceptance_k: int = 4  # draft tokens per target pass in the simulated acceptance
     log_every: int = field(default=25, metadata=NOT_OUTPUT)
     eval_every: int = 100  # held-out evaluation, steps (and at the end, and at each checkpoint)
