@@ -67,6 +67,7 @@ class Plan:
     capture_samples: int
     capture_length: int
     loss_block_rows: int  # the second variant of our step: train.objective.loss_block_rows
+    partial: Path | None = None  # where train_step writes its rows as they finish (a timeout keeps them)
 
     @classmethod
     def full(cls) -> "Plan":
@@ -181,6 +182,8 @@ def train_step(plan: Plan) -> dict:
         if "ours_tokens_per_s" in row and "specforge_tokens_per_s" in row:
             row["speedup"] = row["ours_tokens_per_s"] / row["specforge_tokens_per_s"]
         rows.append(row)
+        if plan.partial is not None:
+            plan.partial.write_text(json.dumps(rows, indent=1, default=str))
     ok = all("ours_tokens_per_s" in r for r in rows)
     return {
         "ok": ok,
@@ -448,6 +451,8 @@ def main() -> None:
     plan = Plan.dry() if a.dry_run else Plan.full()
     plan.seqs = a.seqs or plan.seqs
     out = a.out or Path(os.environ.get("OUT", ".")) / "gpu_suite.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plan.partial = out.with_name("gpu_suite.train_step.partial.json")
     results = {
         "environment": {
             "device": torch.cuda.get_device_name() if plan.device.type == "cuda" else "cpu",

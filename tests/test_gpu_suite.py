@@ -41,6 +41,8 @@ def test_the_gpu_suite_dry_run_passes_every_section(tmp_path):
         assert isinstance(row.get(f"{name}_tokens_per_s"), float), (name, row.get(name))
     assert row["specforge_backend"] == "sdpa" and r["train_step"]["loss_block_rows"] == 16
     assert row["speedup"] == pytest.approx(row["ours_tokens_per_s"] / row["specforge_tokens_per_s"])
+    # Each finished sequence length is on disk at once: a run cut by the time limit keeps it.
+    assert json.loads((tmp_path / "gpu_suite.train_step.partial.json").read_text())[0]["seq"] == row["seq"]
     losses = r["deepspeed"]["losses"]
     assert losses["deepspeed"] == pytest.approx(losses["plain"], rel=1e-4)  # fp32 on the CPU
     assert losses["plain"][-1] < losses["plain"][0]  # the steps trained
