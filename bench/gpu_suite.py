@@ -1,7 +1,7 @@
 """The GPU proof in one command: what only a GPU can show, run in one lent window.
 
     make gpu-wheels                                   # here: the wheels the GPU machine lacks
-    python -m bench.gpu_suite --wheels .gpu-wheels    # there (the device tool carries .gpu-wheels)
+    python -m bench.gpu_suite --wheels .gpu-wheels    # there, with .gpu-wheels copied beside the checkout
     python -m bench.gpu_suite --dry-run               # anywhere: the same script at tiny shapes (CI)
 
 The lent machine has torch, transformers, triton, numpy and safetensors, and none of Ray,
@@ -24,7 +24,7 @@ reported with its error and the next still runs):
    divided by the bare forward of the same engine on the same batches.
 5. `decoder`: the reference speculative decoder on the device, lossless against greedy.
 
-Writes one JSON (`--out`, default `$OUT/gpu_suite.json` where the device tool provides
+Writes one JSON (`--out`, default `$OUT/gpu_suite.json` where the machine provides
 `$OUT`) and prints a table. Within about 8 minutes on an H200.
 """
 
