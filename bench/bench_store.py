@@ -22,6 +22,11 @@ best of `--repeats` (reads: 3 tries each per repeat; interleaved, each side firs
 so machine noise and cache state hit both sides alike). Both sides go through the page
 cache (no fsync of the data), as the store does. On a busy machine the ratios move by
 +-0.15 from run to run: run it twice.
+
+Then the state schemes (`capture.state_dtype`), on the same samples: a bf16 store and an
+int8 store (the same bf16 values quantised), their bytes per token (the arrays, and the
+data files on disk) and streaming tokens/s (iter_samples, prefetch on; int8 dequantised
+to bf16 in the reader), int8 / bf16, interleaved and best of `--repeats` x 3 like the rest.
 """
 
 from __future__ import annotations
@@ -38,7 +43,12 @@ import numpy as np
 ARRAYS = ("input_ids", "loss_mask", "offsets", "aux", "final")
 
 
-def make_shards(n: int, tokens: int, hidden: int, samples_per_shard: int = 16):
+def make_shards(n: int, tokens: int, hidden: int, samples_per_shard: int = 16, state_dtype: str = "bfloat16"):
+    """`n` shards of random samples; the same samples whatever `state_dtype` (int8: their
+    bf16 values quantised by storage.states, as the capture writer does)."""
+    import torch
+
+    from storage.states import encode_states
     from storage.store import ShardData
 
     rng = np.random.default_rng(0)
@@ -46,17 +56,22 @@ def make_shards(n: int, tokens: int, hidden: int, samples_per_shard: int = 16):
     for s in range(n):
         lengths = np.full(samples_per_shard, tokens // samples_per_shard)
         lengths[-1] += tokens - lengths.sum()
+        input_ids = rng.integers(0, 50000, tokens, dtype=np.int32)
+        loss_mask = rng.integers(0, 2, tokens, dtype=np.uint8)
+        # Random normal floats as bf16 bits (realistic exponents; not compressible by chance).
+        aux = (rng.standard_normal((tokens, 3 * hidden), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        final = (rng.standard_normal((tokens, hidden), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        states = {"aux": aux, "final": final}
+        if state_dtype != "bfloat16":
+            as_bf16 = [tuple(torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) for a in (aux, final))]
+            states = encode_states(as_bf16, state_dtype)
         out.append(
             ShardData(
                 sample_ids=[f"s{s}-{i}" for i in range(samples_per_shard)],
-                input_ids=rng.integers(0, 50000, tokens, dtype=np.int32),
-                loss_mask=rng.integers(0, 2, tokens, dtype=np.uint8),
+                input_ids=input_ids,
+                loss_mask=loss_mask,
                 offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-                # Random normal floats as bf16 bits (realistic exponents; not compressible by chance).
-                aux=(rng.standard_normal((tokens, 3 * hidden), dtype=np.float32).view(np.uint32) >> 16).astype(
-                    np.uint16
-                ),
-                final=(rng.standard_normal((tokens, hidden), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16),
+                **states,
             )
         )
     return out
@@ -80,10 +95,16 @@ def with_reader(path: Path, fn):
     return run
 
 
-def write_store(path: Path, shards, hidden: int, chunk_bytes: int) -> None:
+def write_store(path: Path, shards, hidden: int, chunk_bytes: int, state_dtype: str = "bfloat16") -> None:
     from storage.store import HiddenStateStore
 
-    prov = {"hidden_size": hidden, "capture_layer_ids": [1, 2, 3], "final_is_normed": True, "target": {}}
+    prov = {
+        "hidden_size": hidden,
+        "capture_layer_ids": [1, 2, 3],
+        "final_is_normed": True,
+        "target": {},
+        "state_dtype": state_dtype,
+    }
     store = HiddenStateStore.create_or_open(str(path), prov)
     for k, s in enumerate(shards):
         store.commit([store.write_shard(f"{k:06d}", s, chunk_bytes=chunk_bytes)])
@@ -181,6 +202,44 @@ def bench(root: Path, shards, hidden: int, chunk_mb: float, repeats: int) -> dic
     return out
 
 
+def stream_tokens(reader) -> int:
+    """Stream every sample (the trainer's path): bf16 states whatever the scheme; tokens read."""
+    import torch
+
+    n = 0
+    for s in reader.iter_samples(reader.shard_names()):
+        n += len(s["input_ids"])
+        assert s["aux"].dtype == s["final"].dtype == torch.bfloat16
+    return n
+
+
+def bench_schemes(root: Path, n: int, tokens: int, hidden: int, chunk_mb: float, repeats: int) -> dict:
+    """Bytes per token and streaming tokens/s of an int8 store / a bf16 store of the same samples."""
+    from storage.store import HiddenStateStore
+
+    shutil.rmtree(root, ignore_errors=True)
+    schemes = ("bfloat16", "int8")
+    out: dict = {"compare": "int8 / bf16 store", "tokens": n * tokens, "hidden": hidden, "aux_layers": 3}
+    for scheme in schemes:
+        write_store(
+            root / scheme, make_shards(n, tokens, hidden, state_dtype=scheme), hidden, int(chunk_mb * (1 << 20)), scheme
+        )
+        summary = HiddenStateStore(str(root / scheme)).summary()
+        files = sum(f.stat().st_size for f in (root / scheme / "shards").rglob("*") if f.is_file())
+        out[f"{scheme}_bytes_per_token"] = round(summary["bytes"] / summary["tokens"], 1)
+        out[f"{scheme}_file_bytes_per_token"] = round(files / summary["tokens"], 1)
+    best = dict.fromkeys(schemes, float("inf"))
+    for r in range(repeats * 3):
+        for scheme in schemes if r % 2 == 0 else schemes[::-1]:  # each first in turn
+            best[scheme] = min(best[scheme], with_reader(root / scheme, stream_tokens)())
+    for scheme in schemes:
+        out[f"{scheme}_stream_tokens_per_s"] = round(n * tokens / best[scheme])
+    out["bytes_per_token_ratio"] = round(out["int8_bytes_per_token"] / out["bfloat16_bytes_per_token"], 4)
+    out["file_bytes_ratio"] = round(out["int8_file_bytes_per_token"] / out["bfloat16_file_bytes_per_token"], 4)
+    out["stream_tokens_per_s_ratio"] = round(best["bfloat16"] / best["int8"], 3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default=None)
@@ -196,6 +255,11 @@ def main() -> None:
         bench(base / "warmup", make_shards(1, 64, 8), 8, 1, 1)  # imports and first-call costs, untimed
         for chunk_mb in args.chunk_mb:
             print(bench(base / f"c{chunk_mb}", shards, args.hidden, chunk_mb, args.repeats), flush=True)
+        bench_schemes(base / "warmup-schemes", 1, 64, 8, 1, 1)  # untimed, as above
+        print(
+            bench_schemes(base / "schemes", args.shards, args.tokens, args.hidden, args.chunk_mb[0], args.repeats),
+            flush=True,
+        )
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

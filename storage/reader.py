@@ -1,7 +1,9 @@
 """Reading the store: random access by sample and streaming by shard (the trainer).
 
 Only shards listed in the manifest are visible. States come back as torch bfloat16
-tensors (their stored bit patterns reinterpreted, never rounded again).
+tensors whatever the store's scheme (storage.states): a bf16 store's stored bit patterns
+reinterpreted, never rounded again; an int8 store's values dequantised here, on the CPU
+(q * scale in float32, rounded once to bf16). A scheme this code does not know is refused.
 
 Uncompressed arrays are read with plain file I/O in Zarr's own layout (storage.
 zarr_direct): a whole shard's array in one read, a sample's rows in one ranged read.
@@ -25,10 +27,10 @@ import numpy as np
 import torch
 
 from storage import zarr_direct
-from storage.store import HiddenStateStore, StoreError, sample_ids_hash, split_of
-from storage.zarr_io import from_bf16_bits
+from storage.states import STATE_ARRAYS, decode_states, state_shapes
+from storage.store import HiddenStateStore, StoreError, sample_ids_hash, split_of, state_dtype_of
 
-ARRAYS = ("input_ids", "loss_mask", "offsets", "aux", "final")
+TOKEN_ARRAYS = ("input_ids", "loss_mask", "offsets")
 
 
 class _ZarrArray:
@@ -73,6 +75,8 @@ class StoreReader:
             raise ValueError(f"on_corrupt={on_corrupt!r}: use 'error' or 'skip'")
         self.store = HiddenStateStore.open(url, storage_options, expect=expect)
         self.provenance = self.store.provenance
+        self.state_dtype = state_dtype_of(self.provenance, f"store {self.store.url}")
+        self.arrays = (*TOKEN_ARRAYS, *STATE_ARRAYS[self.state_dtype])  # what each shard group holds
         self.shards = self.store.manifest()  # committed rows, in manifest (shard name) order
         self._rows = {r["shard"]: r for r in self.shards}
         self.on_corrupt = on_corrupt
@@ -127,10 +131,10 @@ class StoreReader:
         return list(self.index)
 
     def _arrays(self, name: str) -> dict:
-        """The shard's five arrays: zarr_direct readers where the layout allows, else zarr's."""
+        """The shard's arrays (`self.arrays`): zarr_direct readers where the layout allows, else zarr's."""
         fs, group_path = self.store.fs, f"{self.store.path}/shards/{name}"
         arrays, group = {}, None
-        for key in ARRAYS:
+        for key in self.arrays:
             try:
                 meta = zarr_direct.read_json(fs, f"{group_path}/{key}/zarr.json")
             except FileNotFoundError:
@@ -160,17 +164,18 @@ class StoreReader:
             self._open.move_to_end(name)
             arrays, off = self._open[name]
             a, b = int(off[k]), int(off[k + 1])
-            got = {key: arrays[key].rows(a, b) for key in ("input_ids", "loss_mask", "aux", "final")}
+            got = {key: arrays[key].rows(a, b) for key in self.arrays if key != "offsets"}
         except StoreError:
             raise
         except Exception as exc:  # missing or truncated file, codec error, bad offsets
             raise self._error(name, f"sample {sample_id!r} unreadable: {type(exc).__name__}: {exc}") from None
+        aux, final = decode_states(got, self.state_dtype)
         return {
             "id": sample_id,
             "input_ids": torch.from_numpy(got["input_ids"].astype(np.int64)),
             "loss_mask": torch.from_numpy(got["loss_mask"].astype(np.int64)),
-            "aux": from_bf16_bits(got["aux"]),
-            "final": from_bf16_bits(got["final"]),
+            "aux": aux,
+            "final": final,
         }
 
     # ------------------------------------------------------------------ streaming by shard
@@ -183,8 +188,9 @@ class StoreReader:
         return [r["shard"] for r in self.shards if split_of(r) == split]
 
     def read_shard(self, name: str) -> dict:
-        """One committed shard whole and checked: numpy arrays (bf16 still as uint16 bits) plus
-        `shard` and `sample_ids`. Raises StoreError naming the store, shard and problem."""
+        """One committed shard whole and checked: numpy arrays as stored (bf16 still as uint16
+        bits; int8 with `aux_scale`/`final_scale`) plus `shard` and `sample_ids`. Raises
+        StoreError naming the store, shard and problem."""
         row = self._row(name)
         prov = self.provenance
         try:
@@ -209,47 +215,58 @@ class StoreReader:
             "input_ids": (t,),
             "loss_mask": (t,),
             "offsets": (n + 1,),
-            "aux": (t, len(prov["capture_layer_ids"]) * h),
-            "final": (t, h),
+            **state_shapes(self.state_dtype, t, len(prov["capture_layer_ids"]), h),
         }
         for key, shape in expected.items():
             if out[key].shape != shape:
                 raise self._error(name, f"{key} shape {out[key].shape} != {shape} (manifest: {n} samples, {t} tokens)")
+        for key, dtype in STATE_ARRAYS[self.state_dtype].items():
+            if out[key].dtype != dtype:
+                raise self._error(
+                    name, f"{key} is {out[key].dtype}, not {np.dtype(dtype)} (state_dtype {self.state_dtype})"
+                )
         off = out["offsets"]
         if off[0] != 0 or off[-1] != t or np.any(np.diff(off) <= 0):
             raise self._error(name, f"offsets {off.tolist()[:8]}... do not split {t} tokens into {n} non-empty samples")
         return {"shard": name, "sample_ids": ids, **out}
 
-    def _stream(self, names: list[str], prefetch: bool) -> Iterator[dict]:
+    def _stream(self, names: list[str], prefetch: bool, decode: bool = False) -> Iterator[dict]:
         """Checked shards in order; corrupt ones per `on_corrupt`. With `prefetch` the next
-        shard is read in the background while the caller works on this one: two shards in
-        memory (plus what the caller keeps)."""
+        shard is read (and with `decode`, its states decoded) in the background while the
+        caller works on this one: two shards in memory (plus what the caller keeps)."""
         for name in names:
             self._row(name)  # an unknown name fails before anything is read
         if not prefetch:
             for name in names:
-                shard = self._read_or_skip(name)
+                shard = self._read_or_skip(name, decode)
                 if shard is not None:
                     yield shard
                 del shard
             return
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-prefetch") as pool:
-            pending = pool.submit(self._read_or_skip, names[0]) if names else None
+            pending = pool.submit(self._read_or_skip, names[0], decode) if names else None
             for k in range(len(names)):
                 shard = pending.result()  # the previous shard was dropped before this
-                pending = pool.submit(self._read_or_skip, names[k + 1]) if k + 1 < len(names) else None
+                pending = pool.submit(self._read_or_skip, names[k + 1], decode) if k + 1 < len(names) else None
                 if shard is not None:
                     yield shard
                 del shard
 
-    def _read_or_skip(self, name: str) -> dict | None:
+    def _read_or_skip(self, name: str, decode: bool = False) -> dict | None:
+        """`read_shard`, or None for a corrupt shard skipped; with `decode`, its states as
+        bf16 tensors `aux`/`final` (int8 dequantised here: in the prefetch thread)."""
         try:
-            return self.read_shard(name)
+            shard = self.read_shard(name)
         except StoreError as exc:
             if self.on_corrupt == "error":
                 raise
             self.skipped[name] = str(exc)
             return None
+        if decode:
+            aux, final = decode_states(shard, self.state_dtype)
+            shard = {k: v for k, v in shard.items() if k not in STATE_ARRAYS[self.state_dtype]}
+            shard.update(aux=aux, final=final)
+        return shard
 
     def iter_shards(self, shard_names: list[str] | None = None, prefetch: bool = True) -> Iterator[dict]:
         """Whole checked shards (see `read_shard`), in the given order or manifest order."""
@@ -261,11 +278,11 @@ class StoreReader:
         or with `seed` (an int >= 0) shuffled within each shard, the same way for a given
         (seed, shard) whichever worker reads it. The tensors are views into the shard's
         buffers: copy (or collate) samples you keep past the shard."""
-        for shard in self._stream(list(shard_names), prefetch):
+        for shard in self._stream(list(shard_names), prefetch, decode=True):
             ids, off = shard["sample_ids"], shard["offsets"]
             input_ids = torch.from_numpy(shard["input_ids"].astype(np.int64))
             loss_mask = torch.from_numpy(shard["loss_mask"].astype(np.int64))
-            aux, final = from_bf16_bits(shard["aux"]), from_bf16_bits(shard["final"])
+            aux, final = shard["aux"], shard["final"]
             for k in sample_order(len(ids), shard["shard"], seed):
                 a, b = int(off[k]), int(off[k + 1])
                 yield {

@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from storage import zarr_direct
+from storage.states import STATE_ARRAYS, STATE_DTYPES, state_shapes
 from storage.zarr_io import (
     DEFAULT_CHUNK_BYTES,
     chunk_rows,
@@ -93,18 +94,40 @@ def check_provenance(stored: dict, expected: dict, where: str) -> None:
             )
 
 
+def state_dtype_of(provenance: dict, where: str) -> str:
+    """The store's scheme of states (storage.states): provenance's `state_dtype` (a store
+    without one predates the field and holds bf16); one this code does not know is refused,
+    naming the field."""
+    scheme = provenance.get("state_dtype", "bfloat16")
+    if scheme not in STATE_DTYPES:
+        raise StoreError(
+            f"{where}: provenance field 'state_dtype' is {scheme!r}, a scheme this code cannot read "
+            f"(it knows {', '.join(STATE_DTYPES)}); read it with the code that wrote it"
+        )
+    return scheme
+
+
 @dataclass
 class ShardData:
-    """One capture shard in memory: samples concatenated along the token axis."""
+    """One capture shard in memory: samples concatenated along the token axis. The states
+    in one of the schemes of storage.states: bf16 bits (uint16 aux/final, no scales) or int8
+    with float32 scales (`storage.states.encode_states` makes either)."""
 
     sample_ids: list[str]
     input_ids: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # uint8 [T]
     offsets: np.ndarray  # int64 [n+1]
-    aux: np.ndarray  # uint16 bf16 bits [T, n_aux*H]
-    final: np.ndarray  # uint16 bf16 bits [T, H]
+    aux: np.ndarray  # [T, n_aux*H]: uint16 bf16 bits, or int8
+    final: np.ndarray  # [T, H]: uint16 bf16 bits, or int8
+    aux_scale: np.ndarray | None = None  # int8: float32 [T, n_aux]
+    final_scale: np.ndarray | None = None  # int8: float32 [T, 1]
 
-    def check(self, aux_width: int, hidden_size: int, name: str) -> None:
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The arrays a shard group holds, by name."""
+        named = {k: getattr(self, k) for k in ("input_ids", "loss_mask", "offsets", "aux", "final")}
+        return named | {k: v for k in ("aux_scale", "final_scale") if (v := getattr(self, k)) is not None}
+
+    def check(self, n_aux: int, hidden_size: int, name: str, state_dtype: str = "bfloat16") -> None:
         t, n = len(self.input_ids), len(self.sample_ids)
         if n == 0:
             raise StoreError(f"shard {name}: no samples")
@@ -115,16 +138,24 @@ class ShardData:
             problems.append(f"empty sample {self.sample_ids[int(np.argmax(np.diff(self.offsets) <= 0))]!r}")
         if self.loss_mask.shape != (t,):
             problems.append(f"loss_mask shape {self.loss_mask.shape} != ({t},)")
-        if self.aux.shape != (t, aux_width):
-            problems.append(f"aux shape {self.aux.shape} != ({t}, {aux_width})")
-        if self.final.shape != (t, hidden_size):
-            problems.append(f"final shape {self.final.shape} != ({t}, {hidden_size})")
+        arrays, dtypes = self.arrays(), STATE_ARRAYS[state_dtype]
+        for key, shape in state_shapes(state_dtype, t, n_aux, hidden_size).items():
+            arr = arrays.get(key)
+            if arr is None:
+                problems.append(f"{key} is missing (state_dtype {state_dtype})")
+            elif arr.shape != shape:
+                problems.append(f"{key} shape {arr.shape} != {shape}")
+            elif arr.dtype != dtypes[key]:
+                problems.append(f"{key} is {arr.dtype}, not {np.dtype(dtypes[key])} (state_dtype {state_dtype})")
+        extra = set(arrays) - {"input_ids", "loss_mask", "offsets", *dtypes}
+        if extra:
+            problems.append(f"{', '.join(sorted(extra))} not stored with state_dtype {state_dtype}")
         if problems:
             raise StoreError(f"shard {name}: " + "; ".join(problems))
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.input_ids, self.loss_mask, self.offsets, self.aux, self.final))
+        return sum(a.nbytes for a in self.arrays().values())
 
 
 def _compressors(compression: str):
@@ -244,7 +275,8 @@ class HiddenStateStore:
         (storage.zarr_direct: one write per array, at raw file speed); compressed, the
         arrays go through zarr."""
         prov = self.provenance
-        data.check(len(prov["capture_layer_ids"]) * prov["hidden_size"], prov["hidden_size"], name)
+        scheme = state_dtype_of(prov, f"store {self.url}")
+        data.check(len(prov["capture_layer_ids"]), prov["hidden_size"], name, scheme)
         started = time.perf_counter()
         compressors = _compressors(compression)
         group_path, group = f"{self.path}/shards/{name}", None
@@ -253,8 +285,7 @@ class HiddenStateStore:
             self.fs, f"{group_path}/zarr.json", [json.dumps(zarr_direct.group_metadata({"complete": False})).encode()]
         )
         t = len(data.input_ids)
-        for key in ("input_ids", "loss_mask", "offsets", "aux", "final"):
-            arr = getattr(data, key)
+        for key, arr in data.arrays().items():
             # 2-d: one Zarr shard (one file) per array; chunks inside it stay ~chunk_bytes so
             # random access by sample reads little more than the sample. 1-d: one chunk.
             rows = min(t, chunk_rows(arr.shape[1] * arr.itemsize, chunk_bytes)) if arr.ndim == 2 else None

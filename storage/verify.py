@@ -1,5 +1,9 @@
 """`verify`: check every committed shard and report problems by shard and sample.
 
+States are checked as stored: bf16 bits for NaN/Inf; an int8 store's scales for NaN/Inf
+(a non-finite state makes its slice's scale non-finite) and sign, its values for -128
+(outside the symmetric range the quantiser writes).
+
 python -m storage.verify <store url>        exit status 1 when a problem is found
 """
 
@@ -10,15 +14,15 @@ import sys
 
 import numpy as np
 
-from storage.store import HiddenStateStore, sample_ids_hash
-from storage.zarr_io import nonfinite_rows
+from storage.states import STATE_ARRAYS, nonfinite_rows, state_shapes
+from storage.store import HiddenStateStore, sample_ids_hash, state_dtype_of
 
 
 def verify(url: str, storage_options: dict | None = None) -> dict:
     store = HiddenStateStore.open(url, storage_options)
     prov = store.provenance
-    h = prov["hidden_size"]
-    aux_w = len(prov["capture_layer_ids"]) * h
+    scheme = state_dtype_of(prov, f"store {store.url}")
+    h, n_aux = prov["hidden_size"], len(prov["capture_layer_ids"])
     vocab = (prov.get("target") or {}).get("vocab_size")
     problems: list[dict] = []
     seen: dict[str, str] = {}
@@ -32,7 +36,7 @@ def verify(url: str, storage_options: dict | None = None) -> dict:
         try:
             g = store.open_shard(name)
             attrs = dict(g.attrs)
-            arrays = {k: g[k][...] for k in ("input_ids", "loss_mask", "offsets", "aux", "final")}
+            arrays = {k: g[k][...] for k in ("input_ids", "loss_mask", "offsets", *STATE_ARRAYS[scheme])}
         except Exception as exc:  # missing/corrupt chunk, metadata, codec error
             bad(name, f"unreadable: {type(exc).__name__}: {exc}")
             continue
@@ -50,18 +54,28 @@ def verify(url: str, storage_options: dict | None = None) -> dict:
         if off.shape != (len(ids) + 1,) or off[0] != 0 or off[-1] != t or np.any(np.diff(off) <= 0):
             bad(name, f"offsets {off.tolist()[:8]}... do not split {t} tokens into {len(ids)} non-empty samples")
             continue
-        for key, shape in (("loss_mask", (t,)), ("aux", (t, aux_w)), ("final", (t, h))):
+        for key, shape in (("loss_mask", (t,)), *state_shapes(scheme, t, n_aux, h).items()):
             if arrays[key].shape != shape:
                 bad(name, f"{key} shape {arrays[key].shape} != {shape}")
+        for key, dtype in STATE_ARRAYS[scheme].items():
+            if arrays[key].dtype != dtype:
+                bad(name, f"{key} is {arrays[key].dtype}, not {np.dtype(dtype)} (state_dtype {scheme})")
         if any(p["shard"] == name for p in problems):
             continue
 
         def sample_of(rows, ids=ids, off=off):
             return sorted({ids[int(i)] for i in np.searchsorted(off, rows, side="right") - 1})
 
-        for key in ("aux", "final"):
+        for key in STATE_ARRAYS[scheme]:  # bf16 states; int8's scales (its values are finite)
             for sid in sample_of(nonfinite_rows(arrays[key])):
                 bad(name, f"NaN/Inf in {key}", sid)
+        if scheme == "int8":
+            for key in ("aux_scale", "final_scale"):
+                for sid in sample_of(np.flatnonzero((arrays[key] < 0).any(axis=1))):
+                    bad(name, f"negative scale in {key}", sid)
+            for key in ("aux", "final"):
+                for sid in sample_of(np.flatnonzero((arrays[key] == -128).any(axis=1))):
+                    bad(name, f"int8 value -128 in {key} (the quantiser writes -127..127)", sid)
         if np.any(arrays["loss_mask"] > 1):
             for sid in sample_of(np.flatnonzero(arrays["loss_mask"] > 1)):
                 bad(name, "loss_mask value other than 0/1", sid)

@@ -82,11 +82,5 @@ def from_bf16_bits(bits: np.ndarray):
     return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
 
 
-def nonfinite_rows(bits: np.ndarray) -> np.ndarray:
-    """Row indices whose bf16 values hold a NaN or Inf (exponent bits all ones)."""
-    bad = (bits & 0x7F80) == 0x7F80
-    return np.flatnonzero(bad.reshape(bits.shape[0], -1).any(axis=1))
-
-
 def chunk_rows(row_bytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // max(1, row_bytes))

@@ -306,6 +306,12 @@ def test_estimate_and_space_refusal(tiny_target, tmp_path, capsys):
     assert est["bytes_per_token"] == 2 * 4 * 7168 + 5 == 57349
     assert est["projected_bytes"] == 57349 * 88_000_000  # ~5.05 TB (4.59 TiB)
     assert est["projected"].startswith("5.05 TB (4.59 TiB)")
+    assert est["state_dtype"] == "bfloat16" and est["by_state_dtype"] == {
+        "bfloat16": {"bytes_per_token": 57349, "projected": "5.05 TB"},
+        "int8": {"bytes_per_token": 4 * (7168 + 4) + 5, "projected": "2.52 TB"},  # + a float32 scale a row slice
+    }
+    int8 = capture_sizing.estimate(compose(["target=kimi_k25_int4", "capture.state_dtype=int8"]), 88_000_000)
+    assert int8["bytes_per_token"] == 28693 and int8["projected"].startswith("2.52 TB")
     with pytest.raises(ConfigError, match="capture.store=.*needs ~5.05 TB.*capture.ignore_space=true"):
         capture_sizing.check_space(str(tmp_path / "store"), est["projected_bytes"], ignore=False)
     assert capture_sizing.check_space(str(tmp_path / "store"), est["projected_bytes"], ignore=True)["free_bytes"] > 0
@@ -366,6 +372,7 @@ def test_estimate_projects_wall_time_shards_manifest_and_driver_memory(tiny_targ
     capture.capture_main(cfg)
     printed = json.loads(capsys.readouterr().out)
     assert printed["tokens"] == 1_000_000 and printed["projection"]["capture_hours"] is None
+    assert printed["bytes_per_token"] == 517 and printed["by_state_dtype"]["int8"]["bytes_per_token"] == 277
     assert printed["projection"]["tokens_per_sample_from"].startswith("data.max_length")
     with pytest.raises(ConfigError, match="set capture.estimate_tokens"):
         capture.capture_main(

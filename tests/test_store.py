@@ -213,6 +213,10 @@ def test_direct_layout_is_zarrs_own(tmp_path):
         (np.arange(4, dtype=np.int64), None),
         (rng.integers(0, 2**16, (10, 6), dtype=np.uint16), 3),
         (rng.integers(0, 2**16, (9, 4), dtype=np.uint16), 9),
+        # state_dtype=int8: the int8 states and their float32 scales (one column for final's)
+        (rng.integers(-127, 128, (10, 6), dtype=np.int8), 4),
+        (rng.random((10, 3), dtype=np.float32), 10),
+        (rng.random((7, 1), dtype=np.float32), 3),
     ]
     for k, (arr, rows) in enumerate(cases):
         # zarr's metadata for the same array

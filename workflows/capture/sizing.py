@@ -9,32 +9,39 @@ import shutil
 from pathlib import Path
 
 from eagle3.schema import ConfigError
+from storage.states import STATE_DTYPES, state_bytes_per_token
 from storage.zarr_io import is_remote
 from workflows.capture.plan import SPLITS, CorpusSamples
 from workflows.core.config import FullConfig
 from workflows.core.layout import RunLayout
 
-STATE_BYTES = 2  # bf16
 
-
-def bytes_per_token(n_aux: int, hidden_size: int) -> int:
-    """aux + final states (bf16) + input id (int32) + loss mask (uint8)."""
-    return STATE_BYTES * (n_aux + 1) * hidden_size + 4 + 1
+def bytes_per_token(n_aux: int, hidden_size: int, state_dtype: str = "bfloat16") -> int:
+    """aux + final states (bf16; or int8 plus one float32 scale per row slice) + input id
+    (int32) + loss mask (uint8)."""
+    return state_bytes_per_token(n_aux, hidden_size, state_dtype) + 4 + 1
 
 
 def estimate(cfg: FullConfig, tokens: int) -> dict:
-    n_aux, h = len(cfg.target.capture_ids), cfg.target.hidden_size
-    per_token = bytes_per_token(n_aux, h)
+    n_aux, h, scheme = len(cfg.target.capture_ids), cfg.target.hidden_size, cfg.capture.state_dtype
+    per_token = bytes_per_token(n_aux, h, scheme)
+    # Every scheme's figures beside the configured one's, to choose between them.
+    by_scheme = {
+        s: {"bytes_per_token": (b := bytes_per_token(n_aux, h, s)), "projected": human_bytes(b * tokens)}
+        for s in STATE_DTYPES
+    }
     return {
         "target": cfg.target.name,
         "num_layers": cfg.target.num_layers,
         "hidden_size": h,
         "capture_layer_ids": cfg.target.capture_ids,
         "states_per_token": f"{n_aux} aux + final",
+        "state_dtype": scheme,
         "bytes_per_token": per_token,
         "tokens": tokens,
         "projected_bytes": per_token * tokens,
         "projected": f"{human_bytes(per_token * tokens)} ({per_token * tokens / 2**40:.3g} TiB)",
+        "by_state_dtype": by_scheme,
     }
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from eagle3.layer_ids import validate_capture_ids
 from eagle3.schema import ConfigError, output_dict
-from storage.store import HiddenStateStore
+from storage.store import HiddenStateStore, state_dtype_of
 from storage.verify import verify
 from workflows.capture.plan import plan_corpus, select_plans
 from workflows.capture.sizing import check_space, corpus_figures, estimate, measured_capture_tokens_per_s, projection
@@ -69,6 +69,7 @@ class CaptureActor:
     ):
         self.engine = engine_class(backend)(EngineSpec(**engine))
         self.store = HiddenStateStore.open(store_url, storage_options)
+        self.state_dtype = state_dtype_of(self.store.provenance, f"store {store_url}")  # written as the store says
         self.corpus = CorpusFiles(corpus_folder)
         self.chunk_bytes, self.compression = chunk_bytes, compression
         self.name = f"{socket.gethostname()}:{os.getpid()}"
@@ -81,7 +82,14 @@ class CaptureActor:
         # A failing shard is retried once here, then returned as an error record: the pool
         # keeps going and the driver reports it at the end. (A dead actor is Ray's to restart.)
         rows = capture_and_write(
-            self.engine, self.store, refs, self.chunk_bytes, self.compression, retries=1, load=self.corpus.load
+            self.engine,
+            self.store,
+            refs,
+            self.chunk_bytes,
+            self.compression,
+            retries=1,
+            load=self.corpus.load,
+            state_dtype=self.state_dtype,
         )
         for r in rows:
             r["actor"] = self.name
@@ -186,7 +194,7 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     space = check_space(url, size["projected_bytes"], c.ignore_space)
     log(
         f"capture: {len(plans)} shards ({len(committed)} committed, {len(adopted)} adopted, {len(pending)} to "
-        f"do), {size['bytes_per_token']} B/token, {size['projected']} to write, skipped {skipped}"
+        f"do), {size['bytes_per_token']} B/token ({c.state_dtype}), {size['projected']} to write, skipped {skipped}"
     )
     started, result = time.perf_counter(), Results()
     if pending:
@@ -206,6 +214,7 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         "space": space,
         "failed_shards": result.failed,
         "bytes_per_token": size["bytes_per_token"],
+        "state_dtype": c.state_dtype,
     }
     if result.failed:  # the other shards are committed; a rerun retries only these
         write_json_atomic(out / "summary.json", {**summary, "verify_ok": None})

@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
-import torch
 
+from storage.states import encode_states
 from storage.store import HiddenStateStore, ShardData
-from storage.zarr_io import to_bf16_bits
 
 
 @dataclass
@@ -76,7 +75,9 @@ class CorpusFiles:
         return ShardPlan(ref.name, list(ref.sample_ids), input_ids, loss_mask)
 
 
-def shard_data(plan: ShardPlan, states) -> ShardData:
+def shard_data(plan: ShardPlan, states, state_dtype: str = "bfloat16") -> ShardData:
+    """The shard's arrays; the states converted to `state_dtype` (storage.states) where the
+    engine left them (its device: int8 is quantised on the GPU), then moved to the CPU."""
     lengths = [len(s) for s in plan.input_ids]
     if any(n == 0 for n in lengths):
         raise ValueError(f"shard {plan.name}: empty sample {plan.sample_ids[lengths.index(0)]!r}")
@@ -85,8 +86,7 @@ def shard_data(plan: ShardPlan, states) -> ShardData:
         input_ids=np.concatenate([np.asarray(s, dtype=np.int32) for s in plan.input_ids]),
         loss_mask=np.concatenate([np.asarray(m, dtype=np.uint8) for m in plan.loss_mask]),
         offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-        aux=to_bf16_bits(torch.cat([a for a, _ in states])),
-        final=to_bf16_bits(torch.cat([f for _, f in states])),
+        **encode_states(states, state_dtype),
     )
 
 
@@ -113,6 +113,7 @@ def capture_and_write(
     compression: str = "none",
     retries: int | None = None,
     load: Callable[[object], ShardPlan] | None = None,
+    state_dtype: str = "bfloat16",
 ) -> list[dict]:
     """Capture and write whole shards; shard k is written while shard k+1 is computed.
 
@@ -129,7 +130,7 @@ def capture_and_write(
         def start(plan) -> _Timed:  # compute now, write on the writer thread
             shard = load(plan)
             started = time.perf_counter()
-            data = shard_data(shard, engine.states(shard.input_ids))
+            data = shard_data(shard, engine.states(shard.input_ids), state_dtype)
             return _Timed(
                 pool.submit(store.write_shard, shard.name, data, chunk_bytes, compression),
                 time.perf_counter() - started,

@@ -252,6 +252,10 @@ class CaptureSection:
     engine_timeout_s: float = field(default=3600.0, metadata=NOT_OUTPUT)
     chunk_mb: float = 1.0  # Zarr chunk size of the state arrays (one Zarr shard file per array)
     compression: str = "none"  # or zstd[:level] (~1.28x on bf16 states, much slower)
+    # How the states are stored (storage.states): "bfloat16" bits, or "int8": per-row symmetric
+    # absmax quantisation (each H-wide slice of a row: per token and captured layer), float32
+    # scales, ~half the bytes, |error| <= scale/2. Part of the capture contract.
+    state_dtype: Literal["bfloat16", "int8"] = "bfloat16"
     estimate_only: bool = field(
         default=False, metadata=NOT_OUTPUT
     )  # print bytes/token and the projected size, capture nothing

@@ -7,7 +7,8 @@
 * The **capture contract** (`CAPTURE_CONTRACT`, `capture_contract`): the fields a hidden-
   state store and a config must agree on. The capture stage writes them into the store;
   the train stage opens the store expecting exactly the same fields, so a store captured
-  from another target, weights, layers, template, engine or dtype is refused by name.
+  from another target, weights, layers, template, engine, engine dtype or scheme of
+  stored states (`state_dtype`: bf16 or int8) is refused by name.
 * The **draft's provenance** (`draft_provenance`): what a trained draft carries to export,
   evaluation and the doctor.
 
@@ -27,6 +28,7 @@ from typing import Any, Mapping
 from eagle3.layer_ids import CONVENTION
 from eagle3.schema import to_dict
 from eagle3.target_features import FINAL_IS_NORMED
+from storage.states import STORED_AS
 from workflows.core.markers import read_json, write_json_atomic
 from workflows.core.precision import engine_dtype
 
@@ -219,7 +221,7 @@ def capture_contract(cfg, identity: Mapping) -> dict:
         "hidden_size": cfg.target.hidden_size,
         "capture_layer_ids": cfg.target.capture_ids,
         "layer_id_convention": CONVENTION,
-        "state_dtype": "bfloat16",
+        "state_dtype": cfg.capture.state_dtype,
         "final_is_normed": FINAL_IS_NORMED,
         "tokenizer_sha256": identity["tokenizer_sha256"],
         "chat_template_sha256": identity["chat_template_sha256"],
@@ -236,7 +238,7 @@ def store_provenance(cfg, identity: Mapping, plan: Mapping, backend_version: str
         **capture_contract(cfg, identity),
         "target_name": cfg.target.name,
         "target": {k: identity.get(k) for k in ("model_type", "vocab_size")},
-        "stored_as": "uint16 bit patterns of bfloat16",
+        "stored_as": STORED_AS[cfg.capture.state_dtype],
         "backend_version": backend_version,
         "code_version": code_version(),
         "config": redacted(cfg)["capture"],
