@@ -172,14 +172,17 @@ def test_failing_shards_are_reported_and_only_they_rerun(tiny_target, corpus, tm
 def test_an_actor_killed_mid_batch_is_restarted_and_its_shards_rewritten(tiny_target, corpus, tmp_path, ray_local):
     run_dir = run_dir_with_corpus(corpus, tmp_path)
     plans = capture_plan.plan_shards(corpus_rows(run_dir), 3)[0]
-    # The first call gets shards 0 and 1: shard 0 is written (never committed), then the
-    # process exits at shard 1. Ray restarts the actor and reruns the call.
+    # The call holding shards 0 and 1 writes shard 0 (never committed), then its process
+    # exits at shard 1. Ray restarts the actor and reruns the call. Ray Data may hand that
+    # actor another call first (it then shows in the summary with those shards).
     with capture_faults(die_in_shards=(plans[1].name,), marker_dir=tmp_path / "faults"):
         capture.run(cfg_for(tiny_target, run_dir), tiny_target)
     dead = (tmp_path / "faults" / f"died-in-{plans[1].name}").read_text()
     summary = json.loads((run_dir / "capture" / "summary.json").read_text())
     assert summary["verify_ok"] and summary["shards"] == summary["new_shards"] == len(plans)
-    assert summary["failed_shards"] == [] and dead not in summary["per_actor"]  # a new process did them all
+    assert summary["failed_shards"] == []
+    assert set(summary["per_actor"]) - {dead}, "no restarted process finished the killed call"
+    assert summary["per_actor"].get(dead, {"shards": 0})["shards"] < len(plans)
     assert sum(a["shards"] for a in summary["per_actor"].values()) == len(plans)
     assert sorted(StoreReader(str(run_dir / "store")).sample_ids) == sorted(r["id"] for r in corpus_rows(run_dir))
 
