@@ -58,7 +58,7 @@ class OptimConfig:
 
 @dataclass
 class LoopConfig:
-    steps: int = 60  # the embedded default's budget on a 2-core CPU (README, "Two commands")
+    steps: int  # the caller's budget (the pipeline's default lives with its schema, workflows.core.config)
     ttt: TTTConfig = field(default_factory=TTTConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

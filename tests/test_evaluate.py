@@ -240,10 +240,10 @@ def test_a_divergence_at_a_near_tie_is_told_apart_from_a_defect():
     assert (defect["position"], defect["kind"]) == (wide, "defect")  # ... flipped: not rounding
     # In fp32 the same margin of 0 is still a tie, a wide one still a defect; the report says which.
     assert divergence("p", plain[:2] + [twin], plain[:3], margins, torch.float32)["kind"] == "numerical tie"
-    assert why_not_lossless({"divergences": [tie, defect]}) == (
+    assert why_not_lossless([tie, defect]) == (
         " (1 of 2 divergent prompts numerical ties in bfloat16, 1 defects: see the report)"
     )
-    assert why_not_lossless({"divergences": []}) == ""
+    assert why_not_lossless([]) == ""
 
 
 def test_acceptance_at_temperature_maths():
@@ -285,3 +285,51 @@ def test_acceptance_at_temperature_maths():
     assert ratio == 44 / 34
     residuals = [y - ratio * x for y, x in pairs]
     assert se == pytest.approx((sum(e * e for e in residuals) / 3 / 4) ** 0.5 / (34 / 4))
+
+
+def test_acceptance_by_dataset_and_kind_sums_tokens_over_passes_within_each_group():
+    from workflows.evaluate.report import by_group, markdown, prompt_kind
+
+    names = ["glaive", "chat", "glaive", "chat", "chat"]
+    offline = [(6, 3), (2, 2), (4, 1), (3, 3), (0, 0)]
+    decoded = [(5, 3), (2, 2), (3, 1), (4, 3), (1, 1)]
+    got = by_group(names, offline, decoded)
+    # The ratio of sums, not the mean of ratios: a long answer weighs what its passes weigh.
+    assert got == {
+        "chat": {"prompts": 3, "offline": 5 / 5, "decoded": 7 / 6},
+        "glaive": {"prompts": 2, "offline": 10 / 4, "decoded": 8 / 4},
+    }
+    assert prompt_kind([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]) == "chat"
+    call = {"type": "function", "function": {"name": "f", "arguments": {}}}
+    assert prompt_kind([{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [call]}]) == "tools"
+    assert prompt_kind([{"role": "tool", "content": "42"}]) == "tools"
+    lines = [line for line in markdown_rows(markdown, got) if line.startswith("| glaive")]
+    assert lines == ["| glaive | 2 | 2.500 | 2.000 |"]
+
+
+def markdown_rows(markdown, groups: dict) -> list[str]:
+    """The report's markdown for a minimal report holding `groups` as its dataset column."""
+    report = {
+        "draft": "d",
+        "target": "t",
+        "prompts": 5,
+        "max_new_tokens": 8,
+        "num_steps": 3,
+        "topk": 1,
+        "acceptance_offline": 1.5,
+        "acceptance_offline_per_position_average": 1.6,
+        "acceptance_decoded": 1.5,
+        "acceptance_decoded_sglang_definition": 1.6,
+        "parity_ratio": 1.0,
+        "lossless": True,
+        "text_agreement": 1.0,
+        "tokens_per_s_plain": 1.0,
+        "tokens_per_s_decoded": 1.0,
+        "speedup_decoded": 1.0,
+        "per_position_acceptance_offline": [0.5],
+        "per_position_acceptance": [0.5],
+        "serve_args": [],
+        "dtype": "float32",
+        "acceptance_by_dataset": groups,
+    }
+    return markdown(report, []).splitlines()

@@ -136,7 +136,7 @@ def test_sglang_capture_plan_refuses_what_the_engine_cannot_return():
 def test_the_last_layer_tail_gives_hfs_final_state(tiny_target, ids):
     """norm(layer_{N-1}(id N-2)), from one layer loaded alone, equals the whole model's final
     state (and its pre-norm output equals id N-1): what an SGLang capture computes in one pass."""
-    from workflows.core.final_tail import FinalLayerTail
+    from workflows.core.last_layer import FinalLayerTail
     from workflows.core.targets import load_target
 
     model, _ = load_target(tiny_target)
@@ -156,7 +156,7 @@ def test_the_tail_refuses_a_checkpoint_it_cannot_run_alone(tiny_target, tmp_path
     import json
     import shutil
 
-    from workflows.core.final_tail import FinalLayerTail, TailUnavailable
+    from workflows.core.last_layer import FinalLayerTail, TailUnavailable
 
     quantized = tmp_path / "q"
     shutil.copytree(tiny_target, quantized)
@@ -171,7 +171,7 @@ def test_the_tail_refuses_a_checkpoint_it_cannot_run_alone(tiny_target, tmp_path
 
 
 def test_the_tail_batches_right_padded_sequences_exactly(tiny_target):
-    from workflows.core.final_tail import FinalLayerTail
+    from workflows.core.last_layer import FinalLayerTail
 
     tail = FinalLayerTail(tiny_target, torch.float32)
     torch.manual_seed(1)

@@ -310,7 +310,9 @@ def test_heldout_accuracy_per_sample_on_specforge_rows_matches_a_sample_by_sampl
                 "final": torch.randn(n, 24, generator=g, dtype=torch.float64) * 3,
             }
         )
-    loop = LoopConfig(ttt=TTTConfig(length=3, noise=NoiseConfig(kind="none")), acceptance_k=2, compute_dtype="float32")
+    loop = LoopConfig(
+        steps=1, ttt=TTTConfig(length=3, noise=NoiseConfig(kind="none")), acceptance_k=2, compute_dtype="float32"
+    )
     batches = [collate_samples(samples[:3]), collate_samples(samples[3:])]
     got = evaluate_heldout(draft, head, batches, loop, edges=[4], device=torch.device("cpu"))
 

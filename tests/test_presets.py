@@ -36,10 +36,10 @@ def test_kimi_experiment_one_node_of_eight_gpus():
     assert (cfg.data.backend, cfg.data.num_engines, cfg.data.max_length) == ("sglang", 1, 8192)
     assert cfg.data.gpus_per_engine == 8 and cfg.capture.final_state == "auto"
     assert (cfg.capture.backend, cfg.capture.actors, cfg.capture.gpus_per_actor) == ("sglang", 1, 8)
-    t = cfg.train
-    assert (t.ttt.length, t.ttt.noise.kind, t.ttt.noise.std) == (5, "gaussian", 0.05)
-    assert (t.max_seq_len, t.num_workers, t.gpus_per_worker) == (8192, 4, 1)
-    assert t.acceptance_k <= t.ttt.length and list(cfg.stages) == list(STAGES)
+    train = cfg.train
+    assert (train.ttt.length, train.ttt.noise.kind, train.ttt.noise.std) == (5, "gaussian", 0.05)
+    assert (train.max_seq_len, train.num_workers, train.gpus_per_worker) == (8192, 4, 1)
+    assert train.acceptance_k <= train.ttt.length and list(cfg.stages) == list(STAGES)
     # Command-line overrides still win over the experiment.
     assert compose(["+experiment=kimi_k25", "train.ttt.length=7"]).train.ttt.length == 7
 

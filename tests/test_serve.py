@@ -121,7 +121,18 @@ def test_serve_defaults_to_what_the_report_evaluated(tmp_path):
     cfg = compose(["target=tiny", f"run_dir={tmp_path}", "evaluate.num_steps=3"])
     assert drafting_to_serve(cfg) == (3, 1, 4)  # no report yet: the evaluate config, a chain
     (tmp_path / "report").mkdir()
-    (tmp_path / "report" / "report.json").write_text(json.dumps({"num_steps": 5, "topk": 1, "num_draft_tokens": 6}))
+    report = {
+        "acceptance_offline": 1.5,
+        "acceptance_decoded": 1.5,
+        "acceptance_decoded_sglang_definition": 1.6,
+        "parity_ratio": 1.0,
+        "lossless": True,
+        "speedup_decoded": 1.0,
+        "dtype": "float32",
+        "serve_args": [],
+        **{"num_steps": 5, "topk": 1, "num_draft_tokens": 6},
+    }
+    (tmp_path / "report" / "report.json").write_text(json.dumps(report))
     assert drafting_to_serve(cfg) == (5, 1, 6)
     explicit = compose(
         ["target=tiny", f"run_dir={tmp_path}", "serve.num_steps=2", "serve.topk=4", "serve.num_draft_tokens=8"]

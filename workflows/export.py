@@ -31,7 +31,7 @@ from workflows.core.draft_files import WEIGHTS as DRAFT_WEIGHTS
 from workflows.core.draft_files import load_draft_config, load_provenance
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
-from workflows.core.markers import atomic_dir, clear_done, mark_done, stage_is_done, write_json_atomic
+from workflows.core.markers import atomic_dir, run_stage, write_json_atomic
 from workflows.core.provenance import identity_for
 
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
@@ -142,30 +142,29 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         "format": EXPORT_FORMAT,
         **layout.chain("train"),
     }
-    if stage_is_done(out, key):
-        log(f"export: reusing {out}")
-        return out
-    clear_done(out)
-    draft_dir = layout.require_draft()
-    # SGLang must capture what the draft was trained on (no id N-1; its per-family id rule).
-    check_sglang_servable(
-        cfg.target.capture_ids, cfg.target.num_layers, cfg.target.model_type, "target.capture_layer_ids"
-    )
-    # The doctor first: never export a draft whose wiring contradicts the target.
-    wiring.raise_on_errors(wiring.check(wiring.sides_for_run(cfg, target_path, with_export=False)))
-    export_sglang(draft_dir, layout.sglang_export, cfg.target.dtype)
-    formats = ["sglang"]
-    if speculators_available():
-        export_vllm(layout.sglang_export, layout.vllm_export, target_path, cfg.target.capture_ids)
-        formats.append("vllm")
-    else:
-        log("export: the `speculators` package is not installed; vLLM export skipped (pip install -e .[vllm])")
-    wiring.raise_on_errors(wiring.check(wiring.sides_for_run(cfg, target_path, with_export=True)))
-    # The train key this export was made from: evaluate scores the export only when it
-    # belongs to the draft the train stage holds now.
-    mark_done(out, key, {"formats": formats, "train_key": key["train"]})
-    log(f"export: wrote {', '.join(str(out / f) for f in formats)}")
-    return out
+
+    def build() -> dict:
+        draft_dir = layout.require_draft()
+        # SGLang must capture what the draft was trained on (no id N-1; its per-family id rule).
+        check_sglang_servable(
+            cfg.target.capture_ids, cfg.target.num_layers, cfg.target.model_type, "target.capture_layer_ids"
+        )
+        # The doctor first: never export a draft whose wiring contradicts the target.
+        wiring.raise_on_errors(wiring.check(wiring.sides_for_run(cfg, target_path, with_export=False)))
+        export_sglang(draft_dir, layout.sglang_export, cfg.target.dtype)
+        formats = ["sglang"]
+        if speculators_available():
+            export_vllm(layout.sglang_export, layout.vllm_export, target_path, cfg.target.capture_ids)
+            formats.append("vllm")
+        else:
+            log("export: the `speculators` package is not installed; vLLM export skipped (pip install -e .[vllm])")
+        wiring.raise_on_errors(wiring.check(wiring.sides_for_run(cfg, target_path, with_export=True)))
+        # The train key this export was made from: evaluate scores the export only when it
+        # belongs to the draft the train stage holds now.
+        log(f"export: wrote {', '.join(str(out / f) for f in formats)}")
+        return {"formats": formats, "train_key": key["train"]}
+
+    return run_stage("export", out, key, build)
 
 
 if __name__ == "__main__":  # built only when run: importing this module registers nothing with Hydra

@@ -26,6 +26,7 @@ from workflows.core.cli import hydra_entry
 from workflows.core.config import FullConfig
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
+from workflows.core.records import ReportHeadline
 from workflows.core.serving import verdict
 from workflows.core.targets import prepare_for
 from workflows.generate.stage import run as generate
@@ -66,8 +67,8 @@ def run(cfg: FullConfig) -> dict:
     return outputs
 
 
-def why_not_lossless(report: dict) -> str:
-    found = report.get("divergences") or []
+def why_not_lossless(found: list[dict]) -> str:
+    """Why a report is not lossless, from its divergences: numerical ties or defects."""
     if not found:
         return ""
     ties = sum(d["kind"] == "numerical tie" for d in found)
@@ -80,19 +81,18 @@ def why_not_lossless(report: dict) -> str:
 def headline(cfg: FullConfig) -> list[str]:
     """The report's headline, the exported draft and how to serve exactly what was evaluated."""
     layout = RunLayout.of(cfg)
-    report = layout.stage_dir("evaluate") / "report.json"
-    if layout.done_key("evaluate") is None or not report.is_file():
+    if layout.done_key("evaluate") is None or not layout.report_file.is_file():
         return []
-    r = json.loads(report.read_text())
-    served = [verdict({"engine_name": engine, **c}) for engine, c in r.get("served", {}).items() if "skipped" not in c]
+    r = ReportHeadline.read(layout.report_file)
+    served = [verdict({"engine_name": engine, **c}) for engine, c in r.served.items() if "skipped" not in c]
     return [
-        f"acceptance: offline {r['acceptance_offline']:.3f}, decoded {r['acceptance_decoded']:.3f} "
-        f"(SGLang's definition {r['acceptance_decoded_sglang_definition']:.3f}), parity "
-        f"{r['parity_ratio']:.3f}, lossless {r['lossless']}{why_not_lossless(r)}, speed-up {r['speedup_decoded']:.2f} "
-        f"(reference decoder, {r['dtype']}); {layout.stage_dir('evaluate') / 'report.md'}"
-        + "".join(f"; served by {v}" for v in served),
+        f"acceptance: offline {r.acceptance_offline:.3f}, decoded {r.acceptance_decoded:.3f} "
+        f"(SGLang's definition {r.acceptance_decoded_sglang_definition:.3f}), parity "
+        f"{r.parity_ratio:.3f}, lossless {r.lossless}{why_not_lossless(r.divergences)}, "
+        f"speed-up {r.speedup_decoded:.2f} "
+        f"(reference decoder, {r.dtype}); {layout.report_markdown}" + "".join(f"; served by {v}" for v in served),
         f"draft: {layout.sglang_export if layout.done_key('export') else layout.draft_dir}",
-        f"serve it as evaluated ({' '.join(r['serve_args'])}): python -m workflows.tools.serve "
+        f"serve it as evaluated ({' '.join(r.serve_args)}): python -m workflows.tools.serve "
         f"target={cfg.target.name} run_dir={layout.root} serve.launch=true",
     ]
 

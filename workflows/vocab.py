@@ -17,7 +17,7 @@ from workflows.core.config import FullConfig, auto_draft_vocab_size
 from workflows.core.errors import InputError
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
-from workflows.core.markers import atomic_dir, mark_done, stage_is_done, write_json_atomic
+from workflows.core.markers import atomic_dir, run_stage, write_json_atomic
 
 
 def count_answer_tokens(samples: list[dict], vocab_size: int) -> torch.Tensor:
@@ -37,34 +37,34 @@ def count_answer_tokens(samples: list[dict], vocab_size: int) -> torch.Tensor:
 def run(cfg: FullConfig, target_path: Path | None = None) -> Path:
     layout = RunLayout.of(cfg)
     out = layout.stage_dir("vocab")
-    samples = [r for r in layout.read_corpus() if r["split"] == "train"]
     key = {
         "draft_vocab_size": cfg.draft.draft_vocab_size,
         "vocab_size": cfg.target.vocab_size,
         **layout.chain("generate"),
     }
-    if stage_is_done(out, key):
-        log(f"vocab: reusing {out}")
-        return out
-    counts = count_answer_tokens(samples, cfg.target.vocab_size)
-    distinct = int((counts > 0).sum())
-    size = cfg.draft.draft_vocab_size or auto_draft_vocab_size(cfg.target.vocab_size, distinct)
-    vocab = build_draft_vocab(counts, size, warn=lambda m: log(f"vocab: {m}"))
-    summary = {
-        "draft_vocab_size": size,
-        "chosen": "config" if cfg.draft.draft_vocab_size else "auto",
-        "target_vocab_size": cfg.target.vocab_size,
-        "distinct_tokens_seen": distinct,
-        "counted_tokens": int(counts.sum()),
-        "covered_fraction": vocab.covered_fraction,
-        "filled": vocab.filled,
-    }
-    with atomic_dir(out) as tmp:
-        save_file({"d2t": vocab.d2t, "t2d": vocab.t2d}, str(tmp / "vocab.safetensors"))
-        write_json_atomic(tmp / "vocab.json", summary)
-    mark_done(out, key, summary)
-    log(f"vocab: {summary}")
-    return out
+
+    def build() -> dict:
+        samples = [r for r in layout.read_corpus() if r["split"] == "train"]
+        counts = count_answer_tokens(samples, cfg.target.vocab_size)
+        distinct = int((counts > 0).sum())
+        size = cfg.draft.draft_vocab_size or auto_draft_vocab_size(cfg.target.vocab_size, distinct)
+        vocab = build_draft_vocab(counts, size, warn=lambda m: log(f"vocab: {m}"))
+        summary = {
+            "draft_vocab_size": size,
+            "chosen": "config" if cfg.draft.draft_vocab_size else "auto",
+            "target_vocab_size": cfg.target.vocab_size,
+            "distinct_tokens_seen": distinct,
+            "counted_tokens": int(counts.sum()),
+            "covered_fraction": vocab.covered_fraction,
+            "filled": vocab.filled,
+        }
+        with atomic_dir(out) as tmp:
+            save_file({"d2t": vocab.d2t, "t2d": vocab.t2d}, str(tmp / layout.vocab_file.name))
+            write_json_atomic(tmp / layout.vocab_summary_file.name, summary)
+        log(f"vocab: {summary}")
+        return summary
+
+    return run_stage("vocab", out, key, build)
 
 
 if __name__ == "__main__":  # built only when run: importing this module registers nothing with Hydra

@@ -92,7 +92,7 @@ def corpus_figures(layout: RunLayout) -> dict | None:
 
 def measured_capture_tokens_per_s(layout: RunLayout) -> float | None:
     """Mean tokens/s of one actor in this run folder's last capture (capture/summary.json)."""
-    path = layout.stage_dir("capture") / "summary.json"
+    path = layout.capture_summary_file
     if not path.exists():
         return None
     rates = [a["tokens_per_s"] for a in json.loads(path.read_text()).get("per_actor", {}).values()]

@@ -43,9 +43,7 @@ from workflows.core.errors import InputError, StageFailure
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
 from workflows.core.markers import (
-    clear_done,
-    mark_done,
-    stage_is_done,
+    run_stage,
     write_json_atomic,
 )
 from workflows.core.precision import engine_dtype
@@ -177,68 +175,67 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         "store": url,
         **layout.chain("generate"),
     }
-    if stage_is_done(out, key):
-        log(f"capture: reusing {url}")
-        return out
-    clear_done(out)
-    store = HiddenStateStore.create_or_open(url, prov, c.storage_options, checked=(*CAPTURE_CONTRACT, "plan"))
-    committed = store.committed()
-    adopted = [row for name, _ in plans if name not in committed and (row := store.completed_row(name))]
-    if adopted:  # writers finished, the driver died before committing them
-        store.commit(adopted)
+
+    def build() -> dict:
+        store = HiddenStateStore.create_or_open(url, prov, c.storage_options, checked=(*CAPTURE_CONTRACT, "plan"))
         committed = store.committed()
-    pending = [(name, n) for name, n in plans if name not in committed]
-    for name, _ in pending:
-        store.remove_shard(name)  # half-written leftovers of a killed writer
-    size = estimate(cfg, sum(n for _, n in pending))
-    space = check_space(url, size["projected_bytes"], c.ignore_space)
-    log(
-        f"capture: {len(plans)} shards ({len(committed)} committed, {len(adopted)} adopted, {len(pending)} to "
-        f"do), {size['bytes_per_token']} B/token ({c.state_dtype}), {size['projected']} to write, skipped {skipped}"
-    )
-    started, result = time.perf_counter(), Results()
-    if pending:
-        todo = select_plans(plan_file, {name for name, _ in pending}, out / "pending.parquet")
-        result = _capture_with_ray(cfg, target_path, store, todo, size["tokens"], tqdm)
-    store.compact()  # fold the per-shard commit log into manifest.parquet, once
-    per_actor = result.per_actor_summary()
-    result.failed.sort(key=lambda f: f["shard"])
-    summary = {
-        **store.summary(),
-        "store": url,
-        "skipped": skipped,
-        "new_shards": result.new,
-        "adopted_shards": len(adopted),
-        "seconds": round(time.perf_counter() - started, 2),
-        "per_actor": per_actor,
-        "space": space,
-        "failed_shards": result.failed,
-        "bytes_per_token": size["bytes_per_token"],
-        "state_dtype": c.state_dtype,
-    }
-    if result.failed:  # the other shards are committed; a rerun retries only these
-        write_json_atomic(out / "summary.json", {**summary, "verify_ok": None})
-        names = [f["shard"] for f in result.failed]
-        raise StageFailure(
-            f"capture: {len(names)} shard(s) failed twice: {shown(names)}; first error: "
-            f"{result.failed[0]['error']}; the others are committed: fix the cause (free space, "
-            f"a dead node) and rerun, which captures only these; details in {out / 'summary.json'}"
+        adopted = [row for name, _ in plans if name not in committed and (row := store.completed_row(name))]
+        if adopted:  # writers finished, the driver died before committing them
+            store.commit(adopted)
+            committed = store.committed()
+        pending = [(name, n) for name, n in plans if name not in committed]
+        for name, _ in pending:
+            store.remove_shard(name)  # half-written leftovers of a killed writer
+        size = estimate(cfg, sum(n for _, n in pending))
+        space = check_space(url, size["projected_bytes"], c.ignore_space)
+        log(
+            f"capture: {len(plans)} shards ({len(committed)} committed, {len(adopted)} adopted, {len(pending)} to "
+            f"do), {size['bytes_per_token']} B/token ({c.state_dtype}), {size['projected']} to write, skipped {skipped}"
         )
-    report = verify(url, c.storage_options)
-    summary["verify_ok"] = report["ok"]
-    write_json_atomic(out / "summary.json", {**summary, "verify": report})
-    if not report["ok"]:
-        raise StageFailure(
-            f"capture: verify found {len(report['problems'])} problem(s), first: "
-            f"{report['problems'][0]}; see {out / 'summary.json'}; `python -m storage.verify "
-            f"{url}` lists them, and a rerun with capture.store moved away captures afresh"
+        started, result = time.perf_counter(), Results()
+        if pending:
+            todo = select_plans(plan_file, {name for name, _ in pending}, out / "pending.parquet")
+            result = _capture_with_ray(cfg, target_path, store, todo, size["tokens"], tqdm)
+        store.compact()  # fold the per-shard commit log into manifest.parquet, once
+        per_actor = result.per_actor_summary()
+        result.failed.sort(key=lambda f: f["shard"])
+        summary = {
+            **store.summary(),
+            "store": url,
+            "skipped": skipped,
+            "new_shards": result.new,
+            "adopted_shards": len(adopted),
+            "seconds": round(time.perf_counter() - started, 2),
+            "per_actor": per_actor,
+            "space": space,
+            "failed_shards": result.failed,
+            "bytes_per_token": size["bytes_per_token"],
+            "state_dtype": c.state_dtype,
+        }
+        if result.failed:  # the other shards are committed; a rerun retries only these
+            write_json_atomic(layout.capture_summary_file, {**summary, "verify_ok": None})
+            names = [f["shard"] for f in result.failed]
+            raise StageFailure(
+                f"capture: {len(names)} shard(s) failed twice: {shown(names)}; first error: "
+                f"{result.failed[0]['error']}; the others are committed: fix the cause (free space, "
+                f"a dead node) and rerun, which captures only these; details in {layout.capture_summary_file}"
+            )
+        report = verify(url, c.storage_options)
+        summary["verify_ok"] = report["ok"]
+        write_json_atomic(layout.capture_summary_file, {**summary, "verify": report})
+        if not report["ok"]:
+            raise StageFailure(
+                f"capture: verify found {len(report['problems'])} problem(s), first: "
+                f"{report['problems'][0]}; see {layout.capture_summary_file}; `python -m storage.verify "
+                f"{url}` lists them, and a rerun with capture.store moved away captures afresh"
+            )
+        log(
+            f"capture: {summary['samples']} samples, {summary['tokens']} tokens in {summary['shards']} shards; "
+            f"per actor {per_actor}; verify clean"
         )
-    mark_done(out, key, summary)
-    log(
-        f"capture: {summary['samples']} samples, {summary['tokens']} tokens in {summary['shards']} shards; "
-        f"per actor {per_actor}; verify clean"
-    )
-    return out
+        return summary
+
+    return run_stage("capture", out, key, build, shown=url)
 
 
 def _capture_with_ray(

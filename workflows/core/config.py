@@ -156,6 +156,7 @@ class DatasetSpec:
 
 @dataclass
 class TrainSection(LoopConfig):
+    steps: int = 60  # the embedded default's budget on a 2-core CPU (README, "Two commands")
     # Where the optimizer step runs: "ray" = Ray Train workers with DeepSpeed (reads the
     # store), "local" = the plain loop in this process (the reference); auto: ray when the
     # states come from the store, local for online states.

@@ -131,6 +131,10 @@ class RunLayout:
         return self.stage_dir("vocab") / "vocab.safetensors"
 
     @property
+    def vocab_summary_file(self) -> Path:
+        return self.stage_dir("vocab") / "vocab.json"
+
+    @property
     def checkpoint_dir(self) -> Path:
         return self.stage_dir("train") / "checkpoint"
 
@@ -146,6 +150,34 @@ class RunLayout:
     @property
     def vllm_export(self) -> Path:
         return self.stage_dir("export") / "vllm"
+
+    @property
+    def report_file(self) -> Path:
+        """The evaluate stage's report (read through workflows.core.records.ReportHeadline)."""
+        return self.stage_dir("evaluate") / "report.json"
+
+    @property
+    def report_markdown(self) -> Path:
+        return self.stage_dir("evaluate") / "report.md"
+
+    @property
+    def heldout_prompts_file(self) -> Path:
+        """The held-out prompts as the evaluate stage served them (workflows.tools.benchmark --prompts)."""
+        return self.stage_dir("evaluate") / "prompts.jsonl"
+
+    @property
+    def metrics_file(self) -> Path:
+        """The train stage's final held-out figures."""
+        return self.stage_dir("train") / "metrics.json"
+
+    @property
+    def capture_summary_file(self) -> Path:
+        return self.stage_dir("capture") / "summary.json"
+
+    @property
+    def accounting_files(self) -> tuple[Path, Path]:
+        """The generate stage's accounting (json, txt): every conversation in, kept or skipped by reason."""
+        return self.stage_dir("generate") / "accounting.json", self.stage_dir("generate") / "accounting.txt"
 
     @property
     def benchmark_file(self) -> Path:
@@ -208,7 +240,7 @@ class RunLayout:
 
         self.require_done("vocab")
         t = load_file(str(self.vocab_file))
-        summary = read_json(self.stage_dir("vocab") / "vocab.json")
+        summary = read_json(self.vocab_summary_file)
         return DraftVocab(
             d2t=t["d2t"], t2d=t["t2d"], covered_fraction=summary["covered_fraction"], filled=summary["filled"]
         ), summary

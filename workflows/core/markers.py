@@ -18,9 +18,10 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from eagle3.schema import ConfigError
+from workflows.core.log import log
 
 DONE = "DONE.json"
 
@@ -123,6 +124,24 @@ def mark_done(folder: Path, key: Mapping, summary: Mapping | None = None) -> str
 def clear_done(folder: Path) -> None:
     """A stage about to rewrite its folder withdraws its marker first."""
     (Path(folder) / DONE).unlink(missing_ok=True)
+
+
+def run_stage(name: str, folder: Path, key: Mapping, build: Callable[[], Mapping | None], shown: str = "") -> Path:
+    """The one way a stage runs: reuse `folder` when its marker holds `key`, else build it.
+
+    The marker is withdrawn before `build` starts, so a build killed half-way never looks
+    finished (a resumable stage keeps its own committed parts and picks them up), and written
+    after it returns, with the summary it returned. `shown` names what is reused in the log
+    line when that is not the folder itself (the capture stage's store URL).
+    """
+    folder = Path(folder)
+    if stage_is_done(folder, key):
+        log(f"{name}: reusing {shown or folder}")
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    clear_done(folder)
+    mark_done(folder, key, build())
+    return folder
 
 
 @contextlib.contextmanager

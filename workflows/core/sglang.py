@@ -19,7 +19,7 @@
     forward as tensors; the arrays come back as one file per call, bf16 kept as bf16.
   - `tail`: the Engine's aux mode returns the aux states *instead of* the final one, so the
     worker also asks for id N-2, the last layer's input, and this process computes the last
-    layer and the final norm (`workflows.core.final_tail`). The states travel as lists
+    layer and the final norm (`workflows.core.last_layer`). The states travel as lists
     through SGLang's processes (0.70-0.75 of a bare prefill on CPU), and the tail cannot
     run a quantized layer: the public-API alternative to `runner`, not the default.
   Radix cache is off (with it on, only the uncached suffix comes back). Id N-1 (the last
@@ -173,7 +173,7 @@ class SGLangEngine:
         life of this engine (the actor's stage) and answers capture requests over a pipe."""
         # torch only once a capture starts: serving and the served check import this module's
         # settings alone.
-        from workflows.core.final_tail import FinalLayerTail, TailUnavailable
+        from workflows.core.last_layer import FinalLayerTail, TailUnavailable
         from workflows.core.target_builders import torch_dtype
 
         text = read_text_config(self.spec)

@@ -17,6 +17,25 @@ def by_bucket(prompt_lengths: list[int], values: list[tuple[int, int]], edges: l
     return {n: (t / p if p else None) for n, (t, p) in sums.items() if p}
 
 
+def by_group(names: list[str], offline: list[tuple[int, int]], decoded: list[tuple[int, int]]) -> dict:
+    """Acceptance (sum tokens / sum passes), offline and decoded, per group of prompts (their
+    dataset, or their kind: `tools` when the conversation carries tool calls or results)."""
+    sums: dict[str, list[int]] = {}
+    for name, (ot, op), (dt, dp) in zip(names, offline, decoded):
+        s = sums.setdefault(name, [0, 0, 0, 0, 0])
+        s[0] += 1
+        s[1], s[2], s[3], s[4] = s[1] + ot, s[2] + op, s[3] + dt, s[4] + dp
+    return {
+        name: {"prompts": n, "offline": ot / op if op else None, "decoded": dt / dp if dp else None}
+        for name, (n, ot, op, dt, dp) in sorted(sums.items())
+    }
+
+
+def prompt_kind(messages: list[dict]) -> str:
+    """`tools` for a conversation with tool calls or tool results, else `chat`."""
+    return "tools" if any(m.get("role") == "tool" or m.get("tool_calls") for m in messages) else "chat"
+
+
 def plot(report: dict, folder: Path) -> list[str]:
     import matplotlib
 
@@ -141,6 +160,15 @@ def markdown(r: dict, plots: list[str]) -> str:
         f"{[round(x, 3) for x in r['per_position_acceptance']]}",
         "",
     ]
+    for field, what in (("acceptance_by_prompt_kind", "prompt kind"), ("acceptance_by_dataset", "dataset")):
+        groups = r.get(field, {})
+        if len(groups) > 1:  # one group repeats the headline
+            lines += [f"| {what} | prompts | offline | decoded |", "|---|---|---|---|"]
+            lines += [
+                f"| {name} | {g['prompts']} | {g['offline'] or float('nan'):.3f} | {g['decoded'] or float('nan'):.3f} |"
+                for name, g in groups.items()
+            ]
+            lines.append("")
     if "acceptance_offline_float32" in r:
         flag = " **(more than 2% apart)**" if r["dtype_gap_flagged"] else ""
         lines.append(

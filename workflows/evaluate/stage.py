@@ -19,11 +19,12 @@ from workflows.core.engines import HFEngine
 from workflows.core.errors import InputError
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
-from workflows.core.markers import atomic_dir, mark_done, read_json, read_marker, stage_is_done, write_json_atomic
+from workflows.core.markers import atomic_dir, read_json, read_marker, run_stage, write_json_atomic
 from workflows.core.provenance import identity_for
+from workflows.core.records import ReportHeadline
 from workflows.core.sglang import speculative_args
 from workflows.evaluate.decoding import at_temperature, decode_all, offline_acceptance
-from workflows.evaluate.report import by_bucket, markdown, plot
+from workflows.evaluate.report import by_bucket, by_group, markdown, plot, prompt_kind
 from workflows.evaluate.served import served_checks
 
 
@@ -38,7 +39,15 @@ def heldout_rows(layout: RunLayout, limit: int, max_new_tokens: int) -> list[dic
         if not spans or spans[0][0] < 1 or spans[0][1] - spans[0][0] < 2:
             continue  # no answer to decode after a prompt
         s, e = spans[0][0], min(spans[0][1], spans[0][0] + max_new_tokens)
-        out.append({"id": r["id"], "input_ids": r["input_ids"][:e], "loss_mask": [0] * s + [1] * (e - s)})
+        out.append(
+            {
+                "id": r["id"],
+                "input_ids": r["input_ids"][:e],
+                "loss_mask": [0] * s + [1] * (e - s),
+                "dataset": r.get("dataset", ""),
+                "kind": prompt_kind(r.get("messages") or []),
+            }
+        )
         if len(out) == limit:
             break
     return out
@@ -140,9 +149,14 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         "served": served.stat().st_mtime_ns if served.exists() else None,
         "ablation": ablation_mtime(layout),
     }
-    if stage_is_done(out, key):
-        log(f"evaluate: reusing {out}")
-        return out
+    return run_stage("evaluate", out, key, lambda: evaluate_into(cfg, layout, target_path, out))
+
+
+def evaluate_into(cfg: FullConfig, layout: RunLayout, target_path: Path, out: Path) -> dict:
+    """Decode the held-out prompts, score them offline and served, write the report into
+    `out`; returns the marker's summary."""
+    e = cfg.evaluate
+    served = layout.benchmark_file
     torch.manual_seed(cfg.seed)
     device = evaluation_device(e.device)
     dtype_name, dtype_why = evaluation_dtype(cfg, device)
@@ -171,6 +185,7 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     log(f"evaluate: decoding {len(rows)} held-out prompts, k={k}, topk={e.topk}")
     dec = decode_all(model, draft, rows, ids, k, e.topk, e.num_draft_tokens, eos)
     prompt_lengths = [r["loss_mask"].index(1) for r in rows]
+    decoded_counts = [(p["gained"], p["passes"]) for p in dec["per_row"]]
     report = {
         "target": str(target_path),
         "draft": source,
@@ -206,8 +221,12 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         "acceptance_by_prompt_length_offline": by_bucket(
             prompt_lengths, [(a.tokens, a.passes) for a in offline_rows], e.length_buckets
         ),
-        "acceptance_by_prompt_length_decoded": by_bucket(
-            prompt_lengths, [(p["gained"], p["passes"]) for p in dec["per_row"]], e.length_buckets
+        "acceptance_by_prompt_length_decoded": by_bucket(prompt_lengths, decoded_counts, e.length_buckets),
+        "acceptance_by_dataset": by_group(
+            [r["dataset"] for r in rows], [(a.tokens, a.passes) for a in offline_rows], decoded_counts
+        ),
+        "acceptance_by_prompt_kind": by_group(
+            [r["kind"] for r in rows], [(a.tokens, a.passes) for a in offline_rows], decoded_counts
         ),
         "speedup_decoded": dec["speedup"],
         "tokens_per_s_decoded": dec["tokens_per_s_spec"],
@@ -247,9 +266,10 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     report["served"] = served_checks(cfg, layout, target_path, rows, dec["greedy"], report, dtype_name, eos, device)
     with atomic_dir(out) as tmp:
         plots = plot(report, tmp)
-        write_json_atomic(tmp / "report.json", report)
+        ReportHeadline.of(report)  # the readers' record: refuse to write a report they would refuse
+        write_json_atomic(tmp / layout.report_file.name, report)
         # The prompts as served, for `workflows.tools.benchmark --prompts <this file>` against a server.
-        (tmp / "prompts.jsonl").write_text(
+        (tmp / layout.heldout_prompts_file.name).write_text(
             "".join(
                 json.dumps(
                     {
@@ -263,17 +283,12 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
                 for r in rows
             )
         )
-        (tmp / "report.md").write_text(markdown(report, plots))
-    mark_done(
-        out,
-        key,
-        {
-            k: report[k]
-            for k in ("acceptance_offline", "acceptance_decoded", "parity_ratio", "lossless", "speedup_decoded")
-        },
-    )
+        (tmp / layout.report_markdown.name).write_text(markdown(report, plots))
     log(
         f"evaluate: acceptance offline {offline.walk:.3f} decoded {dec['acceptance']:.3f} parity "
         f"{report['parity_ratio']:.3f} lossless {dec['lossless']} speed-up {dec['speedup']:.2f} -> {out}"
     )
-    return out
+    return {
+        k: report[k]
+        for k in ("acceptance_offline", "acceptance_decoded", "parity_ratio", "lossless", "speedup_decoded")
+    }

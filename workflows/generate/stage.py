@@ -36,11 +36,9 @@ from workflows.core.layout import RunLayout
 from workflows.core.log import log
 from workflows.core.markers import (
     atomic_file,
-    clear_done,
     config_hash,
-    mark_done,
     read_json,
-    stage_is_done,
+    run_stage,
     write_bytes_atomic,
     write_json_atomic,
 )
@@ -265,56 +263,51 @@ def run(cfg: FullConfig, target_path: Path, on_commit: Callable[[int], None] | N
         "seed": cfg.seed,
         "prompts": config_hash({"rows": [[r["id"], r["split"], r["messages"]] for r in rows]}),
     }
-    if stage_is_done(out, key):
-        log(f"generate: reusing {out}")
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    clear_done(out)
-    folder = layout.corpus_shards
-    plan = {"key": config_hash(key), "shard_size": cfg.data.shard_size, "conversations": len(rows)}
-    if folder.exists() and (not (folder / "plan.json").exists() or read_json(folder / "plan.json") != plan):
-        log(f"generate: config or prompts changed since the shards in {folder} were written; starting afresh")
-        shutil.rmtree(folder)
-    folder.mkdir(exist_ok=True)
-    write_json_atomic(folder / "plan.json", plan)
-    with atomic_file(layout.prompts_file) as tmp:
-        ingest.write_normalised(rows, tmp)
 
-    # Shard k is rows [k * shard_size, (k+1) * shard_size) of prompts.parquet (same order as rows).
-    size = cfg.data.shard_size
-    expected = {k: min(size, len(rows) - k * size) for k in range(-(-len(rows) // size))}
-    done = layout.committed_corpus_shards()
-    plans = [{"shard": k, "start": k * size, "stop": k * size + n} for k, n in expected.items() if k not in done]
-    log(
-        f"generate: {len(rows)} conversations in {len(expected)} shards, {len(done)} already committed, "
-        f"{sum(p['stop'] - p['start'] for p in plans)} conversations to regenerate "
-        f"({cfg.data.backend} x{engine_count(cfg, len(plans))})"
-    )
-    if plans:
-        regenerate_shards(cfg, target_path, plans, layout, on_commit)
-    shards = layout.committed_corpus_shards()
-    ids = [i for s in shards.values() for i in s["ids"]]
-    if sorted(ids) != sorted(r["id"] for r in rows) or len(shards) != len(expected):
-        raise RuntimeError(f"generate: committed shards in {folder} do not cover the prompts exactly")
-    table = accounting(ingest_counts, shards)
-    text = format_accounting(table)
-    write_json_atomic(out / "accounting.json", table)
-    write_bytes_atomic(out / "accounting.txt", (text + "\n").encode())
-    print(text, flush=True)
-    for s in shards.values():
-        for e in s["errors"]:
-            log(f"generate: skipped {e}")
-    total = Counter()
-    for c in table.values():
-        total.update(c)
-    mark_done(
-        out,
-        key,
-        {
+    def build() -> dict:
+        folder = layout.corpus_shards
+        plan = {"key": config_hash(key), "shard_size": cfg.data.shard_size, "conversations": len(rows)}
+        if folder.exists() and (not (folder / "plan.json").exists() or read_json(folder / "plan.json") != plan):
+            log(f"generate: config or prompts changed since the shards in {folder} were written; starting afresh")
+            shutil.rmtree(folder)
+        folder.mkdir(exist_ok=True)
+        write_json_atomic(folder / "plan.json", plan)
+        with atomic_file(layout.prompts_file) as tmp:
+            ingest.write_normalised(rows, tmp)
+
+        # Shard k is rows [k * shard_size, (k+1) * shard_size) of prompts.parquet (same order as rows).
+        size = cfg.data.shard_size
+        expected = {k: min(size, len(rows) - k * size) for k in range(-(-len(rows) // size))}
+        done = layout.committed_corpus_shards()
+        plans = [{"shard": k, "start": k * size, "stop": k * size + n} for k, n in expected.items() if k not in done]
+        log(
+            f"generate: {len(rows)} conversations in {len(expected)} shards, {len(done)} already committed, "
+            f"{sum(p['stop'] - p['start'] for p in plans)} conversations to regenerate "
+            f"({cfg.data.backend} x{engine_count(cfg, len(plans))})"
+        )
+        if plans:
+            regenerate_shards(cfg, target_path, plans, layout, on_commit)
+        shards = layout.committed_corpus_shards()
+        ids = [i for s in shards.values() for i in s["ids"]]
+        if sorted(ids) != sorted(r["id"] for r in rows) or len(shards) != len(expected):
+            raise RuntimeError(f"generate: committed shards in {folder} do not cover the prompts exactly")
+        table = accounting(ingest_counts, shards)
+        text = format_accounting(table)
+        accounting_json, accounting_txt = layout.accounting_files
+        write_json_atomic(accounting_json, table)
+        write_bytes_atomic(accounting_txt, (text + "\n").encode())
+        print(text, flush=True)
+        for s in shards.values():
+            for e in s["errors"]:
+                log(f"generate: skipped {e}")
+        total = Counter()
+        for c in table.values():
+            total.update(c)
+        return {
             "conversations": total["conversations"],
             "prompt_tokens": total["prompt_tokens"],
             "answer_tokens": total["answer_tokens"],
             "shards": len(shards),
-        },
-    )
-    return out
+        }
+
+    return run_stage("generate", out, key, build)

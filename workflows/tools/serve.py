@@ -34,6 +34,7 @@ from workflows.core.layout import RunLayout
 from workflows.core.log import log
 from workflows.core.markers import read_json
 from workflows.core.provenance import REDACTED
+from workflows.core.records import ReportHeadline
 from workflows.core.sglang import cpu_env, server_cpu_args, speculative_args
 
 ARCH_DEFAULTS = {"LlamaForCausalLM": (5, 4, 8), "Grok1ForCausalLM": (5, 4, 8), "Grok1VForCausalLM": (5, 4, 8)}
@@ -155,14 +156,14 @@ def drafting_to_serve(cfg) -> tuple[int | None, int | None, int | None]:
     s = cfg.serve
     if any(v is not None for v in (s.num_steps, s.topk, s.num_draft_tokens)):
         return s.num_steps, s.topk, s.num_draft_tokens
-    report = RunLayout.of(cfg).stage_dir("evaluate") / "report.json"
+    report = RunLayout.of(cfg).report_file
     if report.is_file():
-        r = read_json(report)
+        r = ReportHeadline.read(report)
         log(
-            f"serve: drafting as evaluated in {report}: num_steps={r['num_steps']} topk={r['topk']} "
-            f"num_draft_tokens={r['num_draft_tokens']}"
+            f"serve: drafting as evaluated in {report}: num_steps={r.num_steps} topk={r.topk} "
+            f"num_draft_tokens={r.num_draft_tokens}"
         )
-        return r["num_steps"], r["topk"], r["num_draft_tokens"]
+        return r.num_steps, r.topk, r.num_draft_tokens
     e = cfg.evaluate
     log("serve: no report yet; drafting as evaluate is configured")
     return e.num_steps, e.topk, e.num_draft_tokens or e.num_steps + 1

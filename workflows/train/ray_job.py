@@ -22,7 +22,7 @@ def train_worker(loop_config: dict) -> None:
     import ray.train
     import torch
 
-    job = TrainJob(**loop_config["job"])
+    job: TrainJob = loop_config["job"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     threads = loop_config.get("threads")
@@ -61,13 +61,13 @@ def trainer_class():
     """
     from ray.train.torch import TorchTrainer
 
-    class Trainer(TorchTrainer):
+    class TorchTrainerWithoutCleaner(TorchTrainer):
         def _create_default_callbacks(self):
             return [
                 c for c in super()._create_default_callbacks() if type(c).__name__ != "PlacementGroupCleanerCallback"
             ]
 
-    return Trainer
+    return TorchTrainerWithoutCleaner
 
 
 def run_with_ray(cfg, job: TrainJob, train_dir: Path) -> None:
@@ -75,29 +75,29 @@ def run_with_ray(cfg, job: TrainJob, train_dir: Path) -> None:
     from ray.train.torch import TorchConfig
 
     TorchTrainer = trainer_class()
-    t = cfg.train
+    train = cfg.train
     ensure_ray(cfg.cluster)
-    use_gpu = t.gpus_per_worker > 0
-    resources = {"CPU": t.cpus_per_worker, **({"GPU": t.gpus_per_worker} if use_gpu else {})}
+    use_gpu = train.gpus_per_worker > 0
+    resources = {"CPU": train.cpus_per_worker, **({"GPU": train.gpus_per_worker} if use_gpu else {})}
     trainer = TorchTrainer(
         train_worker,
-        train_loop_config={"job": job.as_dict(), "use_gpu": use_gpu, "threads": max(1, int(t.cpus_per_worker))},
+        train_loop_config={"job": job, "use_gpu": use_gpu, "threads": max(1, int(train.cpus_per_worker))},
         scaling_config=ray.train.ScalingConfig(
-            num_workers=t.num_workers, use_gpu=use_gpu, resources_per_worker=resources
+            num_workers=train.num_workers, use_gpu=use_gpu, resources_per_worker=resources
         ),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         run_config=ray.train.RunConfig(
             name=ckpt.RAY_RUN_NAME,
             storage_path=str(ckpt.ray_run_dir(train_dir).parent),
             checkpoint_config=ray.train.CheckpointConfig(
-                num_to_keep=t.keep_checkpoints,
+                num_to_keep=train.keep_checkpoints,
                 checkpoint_score_attribute="acceptance_walk",
                 checkpoint_score_order="max",
             ),
             failure_config=ray.train.FailureConfig(max_failures=0),
         ),
     )
-    log(f"train: Ray Train, {t.num_workers} worker(s) x {resources}, DeepSpeed ZeRO stage {t.zero_stage}")
+    log(f"train: Ray Train, {train.num_workers} worker(s) x {resources}, DeepSpeed ZeRO stage {train.zero_stage}")
     try:
         trainer.fit()
     except Exception as exc:  # a worker's own error reads better than Ray's wrapper

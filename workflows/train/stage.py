@@ -39,7 +39,7 @@ from workflows.core.engines import HFEngine
 from workflows.core.errors import InputError
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
-from workflows.core.markers import clear_done, mark_done, read_json, stage_is_done
+from workflows.core.markers import read_json, run_stage
 from workflows.core.precision import resolve
 from workflows.core.provenance import FINAL_IS_NORMED, capture_contract, draft_provenance, identity_for
 from workflows.train import checkpoint as ckpt
@@ -66,28 +66,28 @@ def backend_of(cfg: FullConfig, source: str) -> str:
 
 def resume_fields(cfg: FullConfig, backend: str, store_key: str) -> dict:
     """What a checkpoint must agree on to be resumed: the data, the schedule, the maths."""
-    t = cfg.train
+    train = cfg.train
     return {
         "data": store_key,
-        "ttt": to_dict(t.ttt),
-        "objective": to_dict(t.objective),
-        "steps": t.steps,
-        "optim": to_dict(t.optim),
-        "world_size": t.num_workers if backend == "deepspeed" else 1,
+        "ttt": to_dict(train.ttt),
+        "objective": to_dict(train.objective),
+        "steps": train.steps,
+        "optim": to_dict(train.optim),
+        "world_size": train.num_workers if backend == "deepspeed" else 1,
         "backend": backend,
         "batching": {
-            "batch_size": t.batch_size,
-            "packing": t.packing,
-            "max_seq_len": t.max_seq_len,
-            "rows_per_batch": t.rows_per_batch,
-            "shuffle_window": t.shuffle_window,
-            "grad_accum": t.grad_accum,
+            "batch_size": train.batch_size,
+            "packing": train.packing,
+            "max_seq_len": train.max_seq_len,
+            "rows_per_batch": train.rows_per_batch,
+            "shuffle_window": train.shuffle_window,
+            "grad_accum": train.grad_accum,
         },
         "draft": to_dict(cfg.draft),
         "seed": cfg.seed,
-        "compute_dtype": t.compute_dtype,
-        "zero_stage": t.zero_stage if backend == "deepspeed" else None,
-        "init_from": t.init_from,
+        "compute_dtype": train.compute_dtype,
+        "zero_stage": train.zero_stage if backend == "deepspeed" else None,
+        "init_from": train.init_from,
     }
 
 
@@ -129,23 +129,21 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         "capture_layer_ids": cfg.target.capture_ids,
         **layout.chain("generate", "vocab", *(["capture"] if source == "store" else [])),
     }
-    if stage_is_done(out, key):
-        log(f"train: reusing {out}")
-        return out
-    clear_done(out)
-    out.mkdir(parents=True, exist_ok=True)
-    provenance = draft_provenance(cfg, identity, vocab_summary)
-    if backend == "online":
-        final = train_online(cfg, layout, target_path, provenance)
-    else:
-        final = train_from_store(cfg, layout, target_path, identity, provenance, backend)
-    mark_done(out, key, {k: final[k] for k in ("acceptance_walk", "acceptance_per_position_average", "k")})
-    log(
-        f"train: held-out acceptance (walk, k={final['k']}) {final['acceptance_walk']:.3f}; "
-        f"per-position average {final['acceptance_per_position_average']:.3f}; step acc "
-        f"{[round(a, 3) for a in final['step_acc']]}"
-    )
-    return out
+
+    def build() -> dict:
+        provenance = draft_provenance(cfg, identity, vocab_summary)
+        if backend == "online":
+            final = train_online(cfg, layout, target_path, provenance)
+        else:
+            final = train_from_store(cfg, layout, target_path, identity, provenance, backend)
+        log(
+            f"train: held-out acceptance (walk, k={final['k']}) {final['acceptance_walk']:.3f}; "
+            f"per-position average {final['acceptance_per_position_average']:.3f}; step acc "
+            f"{[round(a, 3) for a in final['step_acc']]}"
+        )
+        return {k: final[k] for k in ("acceptance_walk", "acceptance_per_position_average", "k")}
+
+    return run_stage("train", out, key, build)
 
 
 def resumable_checkpoint(cfg: FullConfig, layout: RunLayout, backend: str, fields: dict) -> Path | None:
@@ -162,12 +160,14 @@ def resumable_checkpoint(cfg: FullConfig, layout: RunLayout, backend: str, field
     return latest
 
 
-def job_config(cfg: FullConfig) -> dict:
+def job_config(cfg: FullConfig) -> FullConfig:
     """The config as the workers get it. Secrets stay out of what crosses Ray: the store's
     credentials travel once, in the job's storage_options; the target's env is not needed."""
-    config = to_dict(cfg)
-    config["capture"]["storage_options"], config["target"]["env"] = {}, {}
-    return config
+    return dataclasses.replace(
+        cfg,
+        capture=dataclasses.replace(cfg.capture, storage_options={}),
+        target=dataclasses.replace(cfg.target, env={}),
+    )
 
 
 def train_from_store(
@@ -200,11 +200,11 @@ def train_from_store(
         heldout_shards=heldout_shards,
         backend=backend,
     )
-    t = cfg.train
+    train = cfg.train
     log(
         f"train: {len(train_shards)} train / {len(heldout_shards)} held-out shards of {layout.store_url}, "
-        f"{t.steps} steps, TTT length {t.ttt.length}, {'packed to ' + str(t.max_seq_len) if t.packing else 'padded'}"
-        f", {t.compute_dtype}"
+        f"{train.steps} steps, TTT length {train.ttt.length}, "
+        f"{'packed to ' + str(train.max_seq_len) if train.packing else 'padded'}, {train.compute_dtype}"
     )
     if backend == "deepspeed":
         from workflows.train.ray_job import run_with_ray
@@ -212,7 +212,7 @@ def train_from_store(
         run_with_ray(cfg, job, out)
     else:
         Trainer(job).fit(latest)
-    return read_json(out / "metrics.json")
+    return read_json(layout.metrics_file)
 
 
 # ---------------------------------------------------------------------- online (no store)
@@ -286,4 +286,4 @@ def train_online(cfg: FullConfig, layout: RunLayout, target_path: Path, provenan
         pad_id=pad_id,
     )
     Trainer(job, samples=SamplesInMemory(shards, job.store_url)).fit(latest)
-    return read_json(layout.stage_dir("train") / "metrics.json")
+    return read_json(layout.metrics_file)

@@ -13,19 +13,18 @@ the benchmarks. Every `eval_every` steps rank 0 evaluates the held-out shards; e
 `checkpoint_every` steps every rank saves its part (workflows.train.checkpoint) with the
 loop state, so that a resume continues the same data, noise and schedule bit for bit.
 
-A job (`TrainJob`) carries only plain values with absolute paths: it crosses Ray to
-workers that may run on another node of the cluster.
+A job (`TrainJob`) carries the config and plain values with absolute paths: Ray pickles it
+to workers that may run on another node of the cluster.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from eagle3.modeling import Eagle3Draft
-from eagle3.schema import from_dict
 from eagle3.training import LoopHooks, PlainOptimizer, fit, make_optimizer
 from storage.reader import StoreReader
 from workflows.core.config import FullConfig
@@ -42,7 +41,7 @@ from workflows.train.tracking import Tracker
 
 @dataclass
 class TrainJob:
-    config: dict  # the FullConfig, run_dir and cache_dir absolute
+    config: FullConfig  # run_dir and cache_dir absolute, no secrets (workflows.train.stage.job_config)
     target_path: str
     store_url: str
     storage_options: dict
@@ -53,10 +52,7 @@ class TrainJob:
     train_shards: list[str]
     heldout_shards: list[str]
     backend: str  # "deepspeed" (a Ray Train worker) or "plain" (this process)
-    pad_id: int = 0
-
-    def as_dict(self) -> dict:
-        return asdict(self)
+    pad_id: int = 0  # the online engine's pad id; store batches pad with 0 (masked either way)
 
 
 def batch_settings(train, pad_id: int) -> BatchSettings:
@@ -109,18 +105,18 @@ class DeepSpeedStep:
         # DeepSpeed would JIT-build its shared-memory all-reduce for CPU workers (minutes,
         # and a compiler on every node); gloo does the job. Pinned DeepSpeed: 0.19.8.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        t = cfg.train
+        train = cfg.train
         ds_config = {
-            "train_micro_batch_size_per_gpu": t.batch_size,
-            "gradient_accumulation_steps": t.grad_accum,
-            "train_batch_size": t.batch_size * t.grad_accum * world,
-            "gradient_clipping": t.optim.grad_clip,
-            "zero_optimization": {"stage": t.zero_stage},
-            "bf16": {"enabled": t.compute_dtype == "bfloat16"},
+            "train_micro_batch_size_per_gpu": train.batch_size,
+            "gradient_accumulation_steps": train.grad_accum,
+            "train_batch_size": train.batch_size * train.grad_accum * world,
+            "gradient_clipping": train.optim.grad_clip,
+            "zero_optimization": {"stage": train.zero_stage},
+            "bf16": {"enabled": train.compute_dtype == "bfloat16"},
             "steps_per_print": 1 << 30,
             "wall_clock_breakdown": False,
         }
-        optimizer = make_optimizer(draft, t.optim)
+        optimizer = make_optimizer(draft, train.optim)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             args=deepspeed_args(device), model=draft, optimizer=optimizer, config=ds_config, dist_init_required=False
         )
@@ -164,7 +160,7 @@ class Trainer:
     def __init__(self, job: TrainJob, rank: int = 0, world: int = 1, device: torch.device | None = None, samples=None):
         """`samples`: a reader of the job's shards held in memory (online states); None: the store."""
         self.job, self.rank, self.world = job, rank, world
-        self.cfg = cfg = from_dict(FullConfig, job.config, "config")
+        self.cfg = cfg = job.config
         self.loop_cfg = cfg.train
         self.device = device or torch.device(cfg.train.device if job.backend == "plain" else "cpu")
         self.layout = RunLayout.of(cfg)
@@ -187,23 +183,23 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict:
-        t = self.loop_cfg
+        train = self.loop_cfg
         batches = eval_batches(
             self.reader,
             self.job.heldout_shards or self.job.train_shards,
-            t.batch_size,
-            t.max_seq_len,
+            train.batch_size,
+            train.max_seq_len,
             self.job.pad_id,
-            max_samples=t.eval_max_samples,
+            max_samples=train.eval_max_samples,
         )
-        return evaluate_heldout(self.draft, self.head, batches, t, self.cfg.evaluate.length_buckets, self.device)
+        return evaluate_heldout(self.draft, self.head, batches, train, self.cfg.evaluate.length_buckets, self.device)
 
     # ------------------------------------------------------------------ the loop
     def fit(self, restore_from: Path | None, report=None) -> dict | None:
         """Train to `train.steps` (from the checkpoint in `restore_from`, if any). `report`
         (Ray's) is called with each checkpoint folder; without it checkpoints go to the
         plain checkpoint folder. Returns the final evaluation on rank 0."""
-        t = self.loop_cfg
+        train = self.loop_cfg
         start, position, best = 0, StreamPosition(), None
         if restore_from is not None:
             state = ckpt.read_loop_state(restore_from, self.rank, self.job.resume_fields)
@@ -218,19 +214,20 @@ class Trainer:
         stream = BatchStream(
             self.reader,
             self.job.train_shards,
-            batch_settings(t, self.job.pad_id),
+            batch_settings(train, self.job.pad_id),
             self.cfg.seed,
             self.rank,
             self.world,
             start=position,
-            prefetch=t.prefetch_batches,
+            prefetch=train.prefetch_batches,
             pin=self.device.type == "cuda",
         )
         tracker = Tracker(self.cfg, self.layout.stage_dir("train"), resume_step=start) if self.rank == 0 else None
 
         def next_batches() -> list[dict]:
             return [
-                {k: v.to(self.device, non_blocking=True) for k, v in next(stream).items()} for _ in range(t.grad_accum)
+                {k: v.to(self.device, non_blocking=True) for k, v in next(stream).items()}
+                for _ in range(train.grad_accum)
             ]
 
         hooks = LoopHooks(
@@ -240,7 +237,7 @@ class Trainer:
             reduce=self._mean_over_workers if self.world > 1 else None,
         )
         try:
-            state = fit(self.opt, self.head, next_batches, t, self.generator, hooks, start=start, best=best)
+            state = fit(self.opt, self.head, next_batches, train, self.generator, hooks, start=start, best=best)
         finally:
             stream.close()
         last_eval, best = state.last_eval, state.best
