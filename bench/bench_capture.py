@@ -85,7 +85,7 @@ def measure(
         EngineSpec(
             str(target),
             dtype=dtype,
-            layer_ids=ids,
+            capture_ids=ids,
             micro_batch_tokens=micro_batch_tokens,
             final_state=final_state,
             device=device,

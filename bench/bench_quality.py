@@ -189,7 +189,7 @@ def run_trial(args: dict) -> dict:
         "vocab_covered": vocab.covered_fraction,
     }
     if args["decode"]:
-        engine = HFEngine(EngineSpec(args["target"], dtype="float32", layer_ids=cfg.target.capture_ids))
+        engine = HFEngine(EngineSpec(args["target"], dtype="float32", capture_ids=cfg.target.capture_ids))
         model = engine.model
         draft = draft.float().eval()
         eos = [engine.tokenizer.eos_token_id]
@@ -213,7 +213,7 @@ def greedy_answers(target: str, capture_ids: list[int], rows: list[dict]) -> lis
     from workflows.core.engine_spec import EngineSpec
     from workflows.core.engines import HFEngine
 
-    engine = HFEngine(EngineSpec(target, dtype="float32", layer_ids=capture_ids))
+    engine = HFEngine(EngineSpec(target, dtype="float32", capture_ids=capture_ids))
     eos = [engine.tokenizer.eos_token_id]
     return [greedy_decode(engine.model, r["prompt"], r["answer_len"], eos)[0] for r in rows]
 

@@ -34,13 +34,13 @@ class LayerTap:
     Used for one call (`with LayerTap(...)`, as `capture_states` does) or for the life of
     a decoder (the reference speculative decoder's target)."""
 
-    def __init__(self, model, layer_ids: list[int]):
+    def __init__(self, model, capture_ids: list[int]):
         layers = decoder_layers(model)
-        self.layer_ids = validate_capture_ids(layer_ids, len(layers), "capture_layer_ids")
+        self.capture_ids = validate_capture_ids(capture_ids, len(layers), "capture_layer_ids")
         self.grabbed: dict[int, torch.Tensor] = {}
         self.handles = [
             (model.get_input_embeddings() if i == EMBEDDING else layers[i]).register_forward_hook(self._keep(i))
-            for i in self.layer_ids
+            for i in self.capture_ids
         ]
 
     def _keep(self, layer_id: int):
@@ -51,7 +51,7 @@ class LayerTap:
 
     def aux(self) -> torch.Tensor:
         """The last call's captured states, [..., n*H] in capture-id order."""
-        return torch.cat([self.grabbed[i] for i in self.layer_ids], dim=-1)
+        return torch.cat([self.grabbed[i] for i in self.capture_ids], dim=-1)
 
     def close(self) -> None:
         for h in self.handles:
@@ -65,13 +65,13 @@ class LayerTap:
 
 
 @torch.no_grad()
-def capture_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids: list[int]):
+def capture_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, capture_ids: list[int]):
     """-> (aux [B, T, n*H] in capture-id order, final [B, T, H] post-norm)."""
     # The decoder alone: its last_hidden_state is the post-norm final state, and the LM head
     # (B x T x vocab logits, a fifth of a 135M model's FLOPs) and every layer's output
     # (output_hidden_states) are never computed or kept.
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    with LayerTap(model, layer_ids) as tap:
+    with LayerTap(model, capture_ids) as tap:
         out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return tap.aux(), out.last_hidden_state
 
@@ -210,11 +210,11 @@ def pack_samples(samples, max_seq_len: int, pad_id: int = 0, rows_per_batch: int
     return Packing(batches=batches, rows=rows, truncated=truncated, tokens=tokens, slots=slots)
 
 
-def capture_batch(model, sequences, masks, layer_ids, pad_id: int = 0, dtype=None, device=None) -> dict:
+def capture_batch(model, sequences, masks, capture_ids, pad_id: int = 0, dtype=None, device=None) -> dict:
     """A training batch (see eagle3.training) straight from an HF target ("online" data),
     on `device` (default: the CPU)."""
     ids, loss, attn = (t.to(device) for t in pad_right(sequences, masks, pad_id))
-    aux, final = capture_states(model, ids, attn.long(), layer_ids)
+    aux, final = capture_states(model, ids, attn.long(), capture_ids)
     if dtype is not None:
         aux, final = aux.to(dtype), final.to(dtype)
     return {

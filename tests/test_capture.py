@@ -411,7 +411,7 @@ def test_the_capture_stage_on_sglang_uses_one_engine_per_actor_and_one_forward(
     assert summary["verify_ok"] and actor["shards"] == n_shards > 2 * cfg.capture.shards_per_call  # several calls
     assert (actor["engine_starts"], actor["final_state"]) == (1, "runner")
     reader = StoreReader(str(run_dir / "store"))
-    hf = make_engine("hf", EngineSpec(str(tiny_target), layer_ids=[1, 3, 5]))
+    hf = make_engine("hf", EngineSpec(str(tiny_target), capture_ids=[1, 3, 5]))
     for sample_id in reader.sample_ids[:4]:
         sample = reader.sample(sample_id)
         ((aux, final),) = hf.states([sample["input_ids"].tolist()])

@@ -26,7 +26,7 @@ def test_sglang_states_equal_hfs_by_either_final_state_method(tiny_target, metho
 
     seqs = [[1, 5, 9, 33, 2, 7, 100, 4, 8, 8], [3, 4, 5, 6, 7]]
     # 12 tokens per forward: the runner prefills the two sequences as two micro-batches.
-    spec = EngineSpec(str(tiny_target), dtype=dtype, layer_ids=[1, 3, 4], final_state=method, micro_batch_tokens=12)
+    spec = EngineSpec(str(tiny_target), dtype=dtype, capture_ids=[1, 3, 4], final_state=method, micro_batch_tokens=12)
     engine = make_engine("sglang", spec)
     got = engine.states(seqs)
     assert (engine.final_method, engine.engine_starts) == (method, 1)
@@ -57,7 +57,7 @@ def test_a_silent_sglang_capture_worker_is_reported_after_its_timeout(tiny_targe
     from workflows.core.engine_spec import EngineSpec
     from workflows.core.engines import make_engine
 
-    engine = make_engine("sglang", EngineSpec(str(tiny_target), layer_ids=[1, 3, 4], timeout_s=0.5))
+    engine = make_engine("sglang", EngineSpec(str(tiny_target), capture_ids=[1, 3, 4], timeout_s=0.5))
     with pytest.raises(
         RuntimeError,
         match=r"SGLang capture worker failed during start \(did not answer "
@@ -99,7 +99,7 @@ def test_sglang_refuses_the_last_layers_output_where_the_tail_cannot_run(tiny_ta
     shutil.copytree(tiny_target, quantized)
     config = json.loads((quantized / "config.json").read_text())
     (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "x"}}))
-    engine = make_engine("sglang", EngineSpec(str(quantized), layer_ids=[1, 3, 5]))
+    engine = make_engine("sglang", EngineSpec(str(quantized), capture_ids=[1, 3, 5]))
     with pytest.raises(
         ConfigError,
         match=r"capture id 5 \(the last layer's output, which SGLang never returns\) "
@@ -108,5 +108,5 @@ def test_sglang_refuses_the_last_layers_output_where_the_tail_cannot_run(tiny_ta
         engine.states([[1, 2, 3]])
     assert engine.engine_starts == 0
     with pytest.raises(ConfigError, match="capture.final_state=tail: .*a quantized checkpoint"):
-        make_engine("sglang", EngineSpec(str(quantized), layer_ids=[1, 3, 4], final_state="tail")).states([[1, 2]])
+        make_engine("sglang", EngineSpec(str(quantized), capture_ids=[1, 3, 4], final_state="tail")).states([[1, 2]])
     assert engine._proc is None  # the worker exited at EOF

@@ -10,6 +10,7 @@ import yaml
 from workflows import full
 from workflows.capture import stage as capture_stage
 from workflows.core import config as config_module
+from workflows.core import markers
 from workflows.core.config import PROJECT_ROOT, compose
 from workflows.core.layout import RunLayout
 from workflows.core.markers import DONE
@@ -102,6 +103,7 @@ def test_trials_reuse_one_corpus_and_store(tiny_target, tmp_path, monkeypatch):
     monkeypatch.setattr(capture_stage, "_capture_with_ray", counting_capture)
     monkeypatch.setattr(capture_stage, "log", logs.append)
     monkeypatch.setattr(generate_stage, "log", logs.append)
+    monkeypatch.setattr(markers, "log", logs.append)  # run_stage's "reusing" line
 
     first = tiny_trial(tiny_target, tmp_path, "train.ttt.length=5")
     full.run(first)

@@ -256,7 +256,7 @@ def _capture_with_ray(
     # One engine per actor, on the GPUs Ray gave it (an SGLang actor is one TP group).
     engine = {
         "target_path": str(target_path),
-        "layer_ids": cfg.target.capture_ids,
+        "capture_ids": cfg.target.capture_ids,
         "dtype": engine_dtype(cfg),
         "micro_batch_tokens": c.micro_batch_tokens,
         "trust_remote_code": cfg.target.trust_remote_code,

@@ -18,7 +18,7 @@ class EngineSpec:
     trust_remote_code: bool = False  # only where the target preset asks for it by name
     threads: int = 0  # torch threads of this engine (0: torch's default)
     device: str = "cpu"  # hf: where the model runs; sglang: "cpu" selects SGLang's CPU settings
-    layer_ids: list[int] = field(default_factory=list)  # capture ids (eagle3.layer_ids), for states()
+    capture_ids: list[int] = field(default_factory=list)  # capture ids (eagle3.layer_ids), for states()
     micro_batch_tokens: int = 4096  # padded tokens per forward in states()
     tp_size: int = 1  # sglang: tensor parallel ranks
     seed: int = 0

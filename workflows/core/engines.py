@@ -5,7 +5,7 @@ and offers
 
     tokenizer                                   the target's tokenizer
     generate(prompts, max_new_tokens, temperature, top_p) -> [(answer ids, "eos"|"length")]
-    states(seqs) -> [(aux [T, n*H], final [T, H])]   hidden states at spec.layer_ids
+    states(seqs) -> [(aux [T, n*H], final [T, H])]   hidden states at spec.capture_ids
     close()
     version() (static)                          recorded in the store's provenance
 
@@ -105,7 +105,7 @@ class HFEngine:
     def states(self, seqs: Sequence[Sequence[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out: list = [None] * len(seqs)
         for idx in micro_batches([len(s) for s in seqs], self.spec.micro_batch_tokens):
-            aux, final = capture_states(self.model, *self._padded(seqs, idx), self.spec.layer_ids)
+            aux, final = capture_states(self.model, *self._padded(seqs, idx), self.spec.capture_ids)
             for row, i in enumerate(idx):
                 n = len(seqs[i])
                 out[i] = (aux[row, :n], final[row, :n])
@@ -128,7 +128,7 @@ class HFEngine:
                 self.model,
                 [r["input_ids"] for r in group],
                 [r["loss_mask"] for r in group],
-                self.spec.layer_ids,
+                self.spec.capture_ids,
                 pad_id=self.pad_id,
                 device=self.device,
             )

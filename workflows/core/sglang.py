@@ -180,7 +180,7 @@ class SGLangEngine:
         num_layers, model_type = int(text["num_hidden_layers"]), str(text.get("model_type", ""))
         method = "runner" if self.spec.final_state == "auto" else self.spec.final_state
         self._tail = None
-        if method == "tail" or (method == "runner" and num_layers - 1 in self.spec.layer_ids):
+        if method == "tail" or (method == "runner" and num_layers - 1 in self.spec.capture_ids):
             try:
                 self._tail = FinalLayerTail(
                     self.spec.target_path,
@@ -199,7 +199,7 @@ class SGLangEngine:
                 )
                 raise ConfigError(f"{what}: {exc}") from None
         request, self._slots = sglang_capture_plan(
-            self.spec.layer_ids, num_layers, model_type, last_input=self._tail is not None
+            self.spec.capture_ids, num_layers, model_type, last_input=self._tail is not None
         )
         self._num_layers, self.final_method = num_layers, method
         print(f"capture: SGLang engine for the stage; final state {FINAL_METHODS[method]}", flush=True)
@@ -312,7 +312,7 @@ class SGLangEngine:
                 finals = tail_finals
         results = []
         for b, last_out, final in zip(blocks, last_outs, finals):
-            picked = [last_out if i == self._num_layers - 1 else b[self._slots[i]] for i in self.spec.layer_ids]
+            picked = [last_out if i == self._num_layers - 1 else b[self._slots[i]] for i in self.spec.capture_ids]
             results.append((torch.cat(picked, dim=1), final))
         return results
 

@@ -89,7 +89,7 @@ def offline_in_fp32(
         EngineSpec(
             str(target_path),
             dtype="float32",
-            layer_ids=ids,
+            capture_ids=ids,
             device=device,
             trust_remote_code=cfg.target.trust_remote_code,
         )
@@ -167,7 +167,7 @@ def evaluate_into(cfg: FullConfig, layout: RunLayout, target_path: Path, out: Pa
         EngineSpec(
             str(target_path),
             dtype=dtype_name,
-            layer_ids=ids,
+            capture_ids=ids,
             device=device,
             trust_remote_code=cfg.target.trust_remote_code,
         )

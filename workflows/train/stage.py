@@ -253,7 +253,7 @@ def train_online(cfg: FullConfig, layout: RunLayout, target_path: Path, provenan
             str(target_path),
             dtype=resolve(cfg.train.capture_dtype, device),
             device=device,
-            layer_ids=cfg.target.capture_ids,
+            capture_ids=cfg.target.capture_ids,
             trust_remote_code=cfg.target.trust_remote_code,
         )
     )
