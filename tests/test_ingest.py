@@ -131,7 +131,88 @@ def test_dedup_across_datasets(tmp_path):
         ({"messages": [{"content": "no role"}]}, "missing_role_or_content"),
         ({"conversations": [{"from": "human", "value": "Hi"}, {"from": "robot", "value": "Beep"}]}, "unknown_role"),
         ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, "non_alternating_roles"),
-        ({"messages": [{"role": "tool", "content": "{}"}]}, "unknown_role"),
+        ({"messages": [{"role": "tool", "content": "{}"}]}, "empty_conversation"),
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "ipython", "content": "b"}]}, "unknown_role"),
+        # Tool turns: a result must answer a call, a call must be answered, calls must be readable.
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "content": "b"},
+                    {"role": "tool", "content": "1"},
+                ]
+            },
+            "tool_result_without_call",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                    },
+                    {"role": "user", "content": "b"},
+                ]
+            },
+            "tool_call_without_result",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{city: Oslo"}}],
+                    },
+                ]
+            },
+            "bad_tool_arguments",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}],
+                    },
+                ]
+            },
+            "bad_tool_arguments",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"type": "function", "function": {"arguments": "{}"}}],
+                    },
+                ]
+            },
+            "bad_tool_call",
+        ),
+        (
+            {"conversations": [{"from": "human", "value": "a"}, {"from": "function_call", "value": "f(1)"}]},
+            "bad_tool_call",
+        ),
+        (
+            {
+                "conversations": [
+                    {"from": "human", "value": "a"},
+                    {"from": "gpt", "value": "<tool_call>{'name': </tool_call>"},
+                ]
+            },
+            "bad_tool_call",
+        ),
+        ({"messages": [{"role": "user", "content": "a"}], "tools": "[{not json"}, "bad_tools"),
+        ({"messages": [{"role": "user", "content": "a"}], "tools": [{"description": "no name"}]}, "bad_tools"),
+        ({"messages": [{"role": "assistant", "content": None}]}, "missing_role_or_content"),
     ],
 )
 def test_bad_records_are_counted_skips(tmp_path, record, reason):
@@ -182,7 +263,7 @@ def test_normalised_table_round_trips(tmp_path):
     rows, _ = ingest_file(path)
     ingest.write_normalised(rows, tmp_path / "n.parquet")
     assert ingest.read_normalised(tmp_path / "n.parquet") == rows
-    assert pq.read_schema(tmp_path / "n.parquet").names == ["id", "dataset", "split", "messages"]
+    assert pq.read_schema(tmp_path / "n.parquet").names == ["id", "dataset", "split", "messages", "tools"]
 
 
 @pytest.mark.parametrize(
@@ -505,3 +586,167 @@ def test_a_lone_surrogate_is_a_counted_skip_naming_its_line(tmp_path):
         f"ingest d: skipped 2 record(s) for lone_surrogate, first at {path}:2 turn 0 content: a lone "
         "UTF-16 surrogate (a broken emoji?)"
     ]
+
+
+# ----------------------------------------------------------------------------- tool turns
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+TOOLS = [{"type": "function", "function": WEATHER}]
+
+
+def msg(role, content, **extra):
+    return {"role": role, "content": content, "reasoning_content": None, **extra}
+
+
+# The one internal form every layout below normalises to.
+EXPECTED_TOOL_CONVERSATION = [
+    msg("user", "Weather in Oslo?"),
+    msg("assistant", "", tool_calls=[CALL]),
+    msg("tool", '{"temp": 3}'),
+    msg("assistant", "It is 3 degrees."),
+]
+
+TOOL_LAYOUTS = {
+    # OpenAI: tools at the record level, content null beside tool_calls (arguments as a JSON string).
+    "openai": {
+        "tools": TOOLS,
+        "messages": [
+            {"role": "user", "content": "Weather in Oslo?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 3}'},
+            {"role": "assistant", "content": "It is 3 degrees."},
+        ],
+    },
+    # The older OpenAI layout: `function_call` answered by a `function` turn; tools as bare functions.
+    "openai_function_call": {
+        "tools": [WEATHER],
+        "messages": [
+            {"role": "user", "content": "Weather in Oslo?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "function_call": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+            },
+            {"role": "function", "name": "get_weather", "content": '{"temp": 3}'},
+            {"role": "assistant", "content": "It is 3 degrees."},
+        ],
+    },
+    # ShareGPT with function_call / observation turns and the tools as a JSON string (LLaMA-Factory).
+    "sharegpt_function_call": {
+        "tools": json.dumps([WEATHER]),
+        "conversations": [
+            {"from": "human", "value": "Weather in Oslo?"},
+            {"from": "function_call", "value": '{"name": "get_weather", "arguments": {"city": "Oslo"}}'},
+            {"from": "observation", "value": '{"temp": 3}'},
+            {"from": "gpt", "value": "It is 3 degrees."},
+        ],
+    },
+    # Hermes: the call inside the text (a Python dict literal), the result in <tool_response>.
+    "sharegpt_hermes": {
+        "tools": TOOLS,
+        "conversations": [
+            {"from": "human", "value": "Weather in Oslo?"},
+            {
+                "from": "gpt",
+                "value": "<tool_call>\n{'arguments': {'city': 'Oslo'}, 'name': 'get_weather'}\n</tool_call>",
+            },
+            {"from": "tool", "value": '<tool_response>\n{"temp": 3}\n</tool_response>'},
+            {"from": "gpt", "value": "It is 3 degrees."},
+        ],
+    },
+    # glaive-style: `<functioncall>` with the arguments as a quoted JSON string, a function_response turn.
+    "sharegpt_glaive": {
+        "tools": TOOLS,
+        "conversations": [
+            {"from": "human", "value": "Weather in Oslo?"},
+            {"from": "gpt", "value": '<functioncall> {"name": "get_weather", "arguments": \'{"city": "Oslo"}\'}'},
+            {"from": "function_response", "value": '{"temp": 3}'},
+            {"from": "gpt", "value": "It is 3 degrees."},
+        ],
+    },
+}
+
+
+@pytest.mark.parametrize("layout", sorted(TOOL_LAYOUTS))
+def test_tool_layouts_normalise_to_one_form_and_round_trip(tmp_path, layout):
+    path = tmp_path / "tools.jsonl"
+    plain = {"messages": [{"role": "user", "content": "No tools here"}]}
+    path.write_text(json.dumps(TOOL_LAYOUTS[layout]) + "\n" + json.dumps(plain) + "\n")
+    rows, counts = ingest_file(path)
+    assert counts["conversations"] == 2 and counts["tool_conversations"] == 1
+    assert not [k for k in counts if k.startswith("skipped_")]
+    got = rows[0]["messages"]
+    ids = {"openai": {"tool_call_id": "c1"}, "openai_function_call": {"name": "get_weather"}}.get(layout, {})
+    expected = [dict(m) for m in EXPECTED_TOOL_CONVERSATION]
+    expected[2] = {**expected[2], **ids}
+    if layout == "openai":
+        expected[1] = {**expected[1], "tool_calls": [{**CALL, "id": "c1"}]}
+    assert got == expected
+    assert rows[0]["tools"] == TOOLS and "tools" not in rows[1]
+    assert rows[1]["messages"] == [msg("user", "No tools here")]  # stored as it always was
+    ingest.write_normalised(rows, tmp_path / "n.parquet")
+    assert ingest.read_normalised(tmp_path / "n.parquet") == rows
+
+
+def test_tool_turn_details(tmp_path):
+    """Text before a call, parallel calls answered by several results, a text turn followed
+    by its call as a turn of its own, structured tool content, and a named tools field."""
+    records = [
+        {
+            "functions": json.dumps(TOOLS),
+            "messages": [
+                {"role": "system", "content": "Use tools."},
+                {"role": "user", "content": "Oslo and Rome?"},
+                {
+                    "role": "assistant",
+                    "content": "Checking both.",
+                    "tool_calls": [
+                        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
+                        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}},
+                    ],
+                },
+                {"role": "tool", "content": {"temp": 3}},
+                {"role": "tool", "content": [{"type": "text", "text": "19"}]},
+                {"role": "assistant", "content": "3 and 19."},
+            ],
+        },
+        {
+            "conversations": [
+                {"from": "human", "value": "Oslo?"},
+                {"from": "gpt", "value": "Let me look."},
+                {"from": "function_call", "value": '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'},
+                {"from": "observation", "value": "3"},
+                {"from": "gpt", "value": "Mild."},
+            ]
+        },
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(records))
+    rows, counts = ingest.ingest_dataset(
+        "d", str(path), "auto", "auto", None, 1.0, "auto", 0.1, set(), log=lambda _m: None, tools_field="functions"
+    )
+    assert not [k for k in counts if k.startswith("skipped_")], counts
+    first, second = rows[0]["messages"], rows[1]["messages"]
+    assert rows[0]["tools"] == TOOLS
+    assert first[2]["content"] == "Checking both." and [c["function"]["arguments"] for c in first[2]["tool_calls"]] == [
+        {"city": "Oslo"},
+        {"city": "Rome"},
+    ]
+    assert [m["content"] for m in first[3:5]] == ['{"temp": 3}', "19"]
+    assert second[1] == msg("assistant", "Let me look.", tool_calls=[CALL])  # the two turns are one
+    assert [m["role"] for m in second] == ["user", "assistant", "tool", "assistant"]

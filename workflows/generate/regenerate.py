@@ -26,6 +26,7 @@ from eagle3.chat_template import (
 from workflows.core.engine_spec import EngineSpec
 from workflows.core.engines import make_engine
 from workflows.core.markers import atomic_file, write_json_atomic
+from workflows.generate.ingest import decode_row
 
 
 @dataclass
@@ -228,12 +229,14 @@ class ShardRegenerator(Regenerator):
 
         out = []
         for plan in batch.to_pylist():
-            prompts = self.prompts.slice(plan["start"], plan["stop"] - plan["start"]).to_pylist()
+            rows_of = self.prompts.slice(plan["start"], plan["stop"] - plan["start"]).to_pylist()
+            prompts = [decode_row(r) for r in rows_of]
             rows = []
             for k in range(0, len(prompts), self.batch_size):
                 group = prompts[k : k + self.batch_size]
                 for p in group:
                     p["messages_json"], p["shard"] = json.dumps(p.pop("messages")), plan["shard"]
+                    p["tools_json"] = json.dumps(p.pop("tools", None))
                 rows += super().__call__(pa.Table.from_pylist(group)).to_pylist()
             record = commit_shard_files(self.folder, plan["shard"], rows)
             answers = sum(c.get("answer_tokens", 0) for c in record["counts"].values())

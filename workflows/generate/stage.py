@@ -91,6 +91,7 @@ def _ingest_one(cfg: FullConfig, name: str, spec, seen: set[str]) -> tuple[list[
             seen,
             log=log,
             prompt_field=spec.prompt_field,
+            tools_field=spec.tools_field,
         )
         rows += got
         total.update(c)
@@ -221,6 +222,8 @@ def accounting(ingest_counts: dict[str, Counter], shards: dict[int, dict]) -> di
     table: dict[str, Counter] = {name: Counter() for name in ingest_counts}
     for name, c in ingest_counts.items():
         table[name]["records"] = c["records"]
+        if c["tool_conversations"]:
+            table[name]["tool_conversations"] = c["tool_conversations"]
         for k, v in c.items():
             if k.startswith("skipped_"):
                 table[name][k] += v
