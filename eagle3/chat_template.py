@@ -19,6 +19,19 @@ Round trip: the masked tokens of each turn must decode back to exactly the assis
 the text, a token straddles the turn boundary, the generation prompt is not a prefix) is
 refused with an error naming the template and the first mismatching turn.
 
+Tool turns: a conversation's `tools` go to the template as `tools=`, an assistant turn's
+`tool_calls` (eagle3.tool_calls' internal form) and `tool` results as messages, so the
+template writes them as the target is served them. What an assistant turn with calls
+writes (its text, then its calls in the template's markup) is not known beforehand: it is
+the template's rendering of that turn, from the end of the generation prompt to the
+closing markup the template puts after any assistant text (found by rendering the same
+history with a sentinel answer). It is masked whole, with its end-of-turn token; the tool
+list in the system turn and the tool results are never masked. The round trip covers them:
+the written text must parse back (eagle3.tool_calls, the template's family) to the turn's
+text and calls, each tool result must appear verbatim after the call it answers, and each
+tool's name must appear in the prompt. A template that cannot (it drops the calls, the
+results or the tool list, or raises) is refused naming the turn.
+
 Reasoning: when kept, an assistant turn's `reasoning_content` is placed before its
 content as `<think>\\n{reasoning}\\n</think>\\n\\n{content}` and masked with it.
 TODO: templates that render `reasoning_content` natively (Qwen3, DeepSeek-R1) and drop it
@@ -30,6 +43,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
+
+from eagle3 import tool_calls as tc
 
 THINK_OPEN, THINK_CLOSE = "<think>\n", "\n</think>\n\n"
 
@@ -64,19 +79,44 @@ def assistant_text(message: dict, keep_reasoning: bool = True) -> str:
     return content
 
 
+TOOL_FIELDS = ("tool_calls", "tool_call_id", "name")
+
+
 def _plain(messages: Sequence[dict], keep_reasoning: bool) -> list[dict]:
-    """Messages as the template sees them: role and content only (reasoning inlined)."""
+    """Messages as the template sees them: role and content (reasoning inlined), plus the
+    tool fields a turn has."""
     out = []
     for m in messages:
         text = assistant_text(m, keep_reasoning) if m["role"] == "assistant" else m["content"]
-        out.append({"role": m["role"], "content": text})
+        out.append({"role": m["role"], "content": text, **{k: m[k] for k in TOOL_FIELDS if m.get(k)}})
     return out
 
 
 def render(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False, **template_kwargs: Any) -> str:
-    return tokenizer.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
-    )
+    if not template_kwargs.get("tools"):
+        template_kwargs.pop("tools", None)  # only a conversation with tools hands them over
+    try:
+        return tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+    except Exception as exc:  # noqa: BLE001 - jinja raises many types; say which turn it choked on
+        if not any(m["role"] == "tool" or m.get("tool_calls") for m in messages) and not template_kwargs.get("tools"):
+            raise
+        k = _first_failing(tokenizer, messages, template_kwargs)
+        raise TemplateError(
+            f"{template_name(tokenizer)}: the template cannot render tool turns (message {k}, "
+            f"{messages[k]['role']}: {type(exc).__name__}: {str(exc)[:120]})"
+        ) from None
+
+
+def _first_failing(tokenizer, messages: Sequence[dict], template_kwargs: dict) -> int:
+    """The first message whose rendering (with those before it) raises: the turn to name."""
+    for k in range(len(messages)):
+        try:
+            tokenizer.apply_chat_template(list(messages[: k + 1]), tokenize=False, **template_kwargs)
+        except Exception:  # noqa: BLE001 - as in render
+            return k
+    return len(messages) - 1
 
 
 def generation_prompt_ids(tokenizer, messages: Sequence[dict], **template_kwargs: Any) -> list[int]:
@@ -88,30 +128,143 @@ def generation_prompt_ids(tokenizer, messages: Sequence[dict], **template_kwargs
 def assistant_char_spans(
     tokenizer, messages: Sequence[dict], keep_reasoning: bool = True, **template_kwargs: Any
 ) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the [start, end) character span of each assistant text."""
+    """The rendered conversation and the [start, end) character span of each assistant
+    text (for a turn with tool calls: its text and the calls as the template writes them)."""
     plain = _plain(messages, keep_reasoning)
     full = render(tokenizer, plain, **template_kwargs)
+    name = template_name(tokenizer)
+    _check_tool_list(tokenizer, plain, full, template_kwargs.get("tools"))
     spans = []
     for i, m in enumerate(plain):
+        if m["role"] == "tool":
+            _check_tool_result(tokenizer, plain, i, spans[-1][1] if spans else 0, full, template_kwargs)
         if m["role"] != "assistant":
             continue
         turn = len(spans)
         prefix = render(tokenizer, plain[:i], add_generation_prompt=True, **template_kwargs)
         if not full.startswith(prefix):
             raise TemplateError(
-                f"{template_name(tokenizer)}: assistant turn {turn} (message {i}): the rendering of the "
+                f"{name}: assistant turn {turn} (message {i}): the rendering of the "
                 f"messages before it plus the generation prompt is not a prefix of the whole conversation; "
                 f"cannot locate the assistant text"
             )
-        start, end = len(prefix), len(prefix) + len(m["content"])
-        if full[start:end] != m["content"]:
+        written = m["content"]
+        if m.get("tool_calls"):
+            written = _written_with_calls(tokenizer, plain, i, prefix, template_kwargs)
+            family = tool_family(tokenizer, **template_kwargs)
+            _check_calls(name, turn, i, family, written, m)
+        start, end = len(prefix), len(prefix) + len(written)
+        if full[start:end] != written:
             raise TemplateError(
-                f"{template_name(tokenizer)}: assistant turn {turn} (message {i}): the template does not "
-                f"render the assistant text verbatim (expected {m['content'][:60]!r}, "
+                f"{name}: assistant turn {turn} (message {i}): the template does not "
+                f"render the assistant text verbatim (expected {written[:60]!r}, "
                 f"found {full[start:end][:60]!r})"
             )
         spans.append((start, end))
     return full, spans
+
+
+SENTINEL = "\u2063sentinel answer\u2063"  # text no template rewrites and no conversation holds
+
+
+def _written_with_calls(tokenizer, plain: list[dict], i: int, prefix: str, template_kwargs: dict) -> str:
+    """What assistant message i (one with tool calls) writes: its rendering after the
+    generation prompt, less the closing markup the template puts after a plain answer."""
+    name = template_name(tokenizer)
+    upto = render(tokenizer, plain[: i + 1], **template_kwargs)
+    probe = render(tokenizer, [*plain[:i], {"role": "assistant", "content": SENTINEL}], **template_kwargs)
+    if not upto.startswith(prefix) or not probe.startswith(prefix + SENTINEL):
+        raise TemplateError(
+            f"{name}: assistant message {i} with tool calls: the generation prompt is not a prefix of its "
+            "rendering; cannot locate what the assistant writes"
+        )
+    closing = probe[len(prefix) + len(SENTINEL) :]
+    written = upto[len(prefix) :]
+    if closing and not written.endswith(closing):
+        raise TemplateError(
+            f"{name}: assistant message {i} with tool calls does not end with the template's closing "
+            f"markup {closing[:40]!r}; cannot locate what the assistant writes"
+        )
+    return written[: len(written) - len(closing)]
+
+
+def _check_calls(name: str, turn: int, i: int, family: str, written: str, m: dict) -> None:
+    try:
+        before, calls = tc.parse(family, written)
+    except tc.ToolCallSyntaxError as exc:
+        raise TemplateError(
+            f"{name}: assistant turn {turn} (message {i}): the rendered tool calls do not parse back ({exc})"
+        ) from None
+    if tc.signature(calls) != tc.signature(m["tool_calls"]) or before.strip() != (m["content"] or "").strip():
+        raise TemplateError(
+            f"{name}: assistant turn {turn} (message {i}): the template does not render the turn's text and "
+            f"tool calls faithfully (rendered {written[:80]!r})"
+        )
+
+
+def _check_tool_result(tokenizer, plain: list[dict], i: int, after: int, full: str, template_kwargs: dict) -> None:
+    """Tool result i must be in the rendering, verbatim, after the call it answers."""
+    content = plain[i]["content"]
+    if content and full.find(content, after) < 0:
+        raise TemplateError(
+            f"{template_name(tokenizer)}: tool message {i}: the template does not render the tool result "
+            f"verbatim ({content[:60]!r} is not in the rendering after the call)"
+        )
+
+
+def _check_tool_list(tokenizer, plain: list[dict], full: str, tools: list[dict] | None) -> None:
+    """Every tool the conversation offers must be named in what the target is shown before
+    its first answer (not only in the calls it later makes)."""
+    if not tools:
+        return
+    first_user = next((k for k, m in enumerate(plain) if m["role"] == "user"), len(plain) - 1)
+    shown = render(tokenizer, plain[: first_user + 1], add_generation_prompt=True, tools=tools)
+    for tool in tools:
+        fn = tool.get("function", tool)
+        if fn["name"] not in shown:
+            raise TemplateError(
+                f"{template_name(tokenizer)}: the template does not render the tool list "
+                f"(tool {fn['name']!r} is not in the rendering)"
+            )
+
+
+TOOL_PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": tc.PROBE_NAME,
+            "description": "Forecast of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+        },
+    }
+]
+_FAMILIES: dict[str, str] = {}
+
+
+def tool_family(tokenizer, **template_kwargs: Any) -> str:
+    """The tool-call family (eagle3.tool_calls) of the tokenizer's template, from a probe
+    call rendered through it; TemplateError when it drops calls or writes an unknown format."""
+    name = template_name(tokenizer)
+    if name in _FAMILIES:
+        return _FAMILIES[name]
+    kwargs = {**template_kwargs, "tools": TOOL_PROBE_TOOLS}
+    plain = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [tc.call(tc.PROBE_NAME, tc.PROBE_ARGUMENTS)]},
+    ]
+    prefix = render(tokenizer, plain[:1], add_generation_prompt=True, **kwargs)
+    written = _written_with_calls(tokenizer, plain, 1, prefix, kwargs)
+    try:
+        family = tc.family_of_rendering(written)
+    except tc.UnknownToolFormat as exc:
+        raise TemplateError(f"{name}: {exc}") from None
+    if family is None:
+        raise TemplateError(
+            f"{name}: the template cannot render tool calls (an assistant turn calling {tc.PROBE_NAME!r} "
+            f"renders as {written[:60]!r}); use a target whose template renders tools, or drop the tool datasets"
+        )
+    _FAMILIES[name] = family
+    return family
 
 
 def tokenize_conversation(
@@ -136,11 +289,7 @@ def tokenize_conversation(
     special = set(tokenizer.all_special_ids)
     mask = [0] * len(ids)
     turn_spans = []
-    texts = [
-        m["content"] if m["role"] != "assistant" else assistant_text(m, keep_reasoning)
-        for m in messages
-        if m["role"] == "assistant"
-    ]
+    texts = [full[cs:ce] for cs, ce in spans]  # each checked to be the turn's text (and calls)
     for turn, ((cs, ce), with_eot) in enumerate(zip(spans, eot_flags)):
         inside = []
         eot_index = None
@@ -190,6 +339,33 @@ def check_template(tokenizer, **template_kwargs: Any) -> None:
     """Refuse a template that cannot give exact assistant masks (raises TemplateError)."""
     for keep in (True, False):
         tokenize_conversation(tokenizer, PROBE_CONVERSATION, keep_reasoning=keep, **template_kwargs)
+
+
+TOOL_PROBE_CONVERSATION = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "Weather in Oslo for three days?"},
+    {"role": "assistant", "content": "", "tool_calls": [tc.call(tc.PROBE_NAME, tc.PROBE_ARGUMENTS)]},
+    {"role": "tool", "content": '{"forecast": ["rain", "sun", "snow"]}'},
+    {"role": "assistant", "content": "Rain, then sun, then snow."},
+    {"role": "user", "content": "And Rome tomorrow?"},
+    {
+        "role": "assistant",
+        "content": "Checking.",
+        "tool_calls": [tc.call(tc.PROBE_NAME, {"city": "Rome", "days": 1}), tc.call(tc.PROBE_NAME, {"city": "Bari"})],
+    },
+    {"role": "tool", "content": '{"forecast": ["sun"]}'},
+    {"role": "tool", "content": "no data"},
+    {"role": "assistant", "content": "Sun in Rome."},
+]
+
+
+def check_tool_template(tokenizer, **template_kwargs: Any) -> str:
+    """Refuse a template that cannot render tool turns with exact masks; -> its family."""
+    family = tool_family(tokenizer, **template_kwargs)
+    kwargs = {**template_kwargs, "tools": TOOL_PROBE_TOOLS}
+    for keep in (True, False):
+        tokenize_conversation(tokenizer, TOOL_PROBE_CONVERSATION, keep_reasoning=keep, **kwargs)
+    return family
 
 
 def apply_length_policy(

