@@ -150,7 +150,7 @@ def assistant_char_spans(
             )
         written = m["content"]
         if m.get("tool_calls"):
-            written = _written_with_calls(tokenizer, plain, i, prefix, template_kwargs)
+            written = written_with_calls(tokenizer, plain, i, prefix, template_kwargs)
             family = tool_family(tokenizer, **template_kwargs)
             _check_calls(name, turn, i, family, written, m)
         start, end = len(prefix), len(prefix) + len(written)
@@ -167,7 +167,7 @@ def assistant_char_spans(
 SENTINEL = "\u2063sentinel answer\u2063"  # text no template rewrites and no conversation holds
 
 
-def _written_with_calls(tokenizer, plain: list[dict], i: int, prefix: str, template_kwargs: dict) -> str:
+def written_with_calls(tokenizer, plain: list[dict], i: int, prefix: str, template_kwargs: dict) -> str:
     """What assistant message i (one with tool calls) writes: its rendering after the
     generation prompt, less the closing markup the template puts after a plain answer."""
     name = template_name(tokenizer)
@@ -253,7 +253,7 @@ def tool_family(tokenizer, **template_kwargs: Any) -> str:
         {"role": "assistant", "content": "", "tool_calls": [tc.call(tc.PROBE_NAME, tc.PROBE_ARGUMENTS)]},
     ]
     prefix = render(tokenizer, plain[:1], add_generation_prompt=True, **kwargs)
-    written = _written_with_calls(tokenizer, plain, 1, prefix, kwargs)
+    written = written_with_calls(tokenizer, plain, 1, prefix, kwargs)
     try:
         family = tc.family_of_rendering(written)
     except tc.UnknownToolFormat as exc:

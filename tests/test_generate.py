@@ -328,3 +328,228 @@ def test_a_shard_that_cannot_be_written_ends_in_one_line_and_the_rest_is_kept(ti
         "00002.done.json",
     ]
     assert all(folder.joinpath(n).stat().st_mtime_ns == t for n, t in stamps.items())
+
+
+# ----------------------------------------------------------------------------- tool calls
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {}}}},
+    }
+]
+
+
+def call(city):
+    return {"type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}
+
+
+def written(city, order=("name", "arguments")):
+    """A call as the tiny target's template writes it (or with its keys in another order)."""
+    obj = {"name": json.dumps("get_weather"), "arguments": json.dumps({"city": city})}
+    return "<tool_call>\n{" + ", ".join(f'"{k}": {obj[k]}' for k in order) + "}\n</tool_call>"
+
+
+class ScriptedEngine:
+    """A test double for the engine's output only: the answer to a prompt is the script's
+    entry whose key occurs last in the rendered prompt (what the turn answers), tokenized;
+    the rule under test is the product code's."""
+
+    def __init__(self, tokenizer, script: dict[str, str]):
+        self.tokenizer, self.script, self.prompts = tokenizer, script, []
+
+    def generate(self, prompts, max_new_tokens, temperature=0.0, top_p=1.0):
+        out = []
+        for ids in prompts:
+            text = self.tokenizer.decode(ids)
+            self.prompts.append(text)
+            key = max(self.script, key=lambda k: text.rfind(k))
+            assert key in text, text
+            out.append((self.tokenizer(self.script[key], add_special_tokens=False)["input_ids"], "eos"))
+        return out
+
+
+def tool_conversation(city, final="Noted."):
+    return [
+        {"role": "user", "content": f"Weather in {city}?"},
+        {"role": "assistant", "content": "", "tool_calls": [call(city)]},
+        {"role": "tool", "content": f"{city}: 3 degrees"},
+        {"role": "assistant", "content": "DATASET ANSWER"},
+        {"role": "user", "content": f"Thanks about {city}"},
+        {"role": "assistant", "content": final},
+    ]
+
+
+def test_tool_call_rule_matched_calls_go_on_differing_ones_are_cut(engine):
+    tok = engine.tokenizer
+    script = {
+        "Weather in Oslo?": written("Oslo"),  # the dataset's call, as its template writes it
+        "Oslo: 3 degrees": "Cold in Oslo.",
+        "Thanks about Oslo": "You are welcome.",
+        "Weather in Rome?": written("Milan"),  # another call
+        "Weather in Bari?": written("Bari", order=("arguments", "name")),  # same call, other text
+        "Weather in Pisa?": "I cannot look that up.",  # no call where the dataset made one
+        "Hello there": written("Oslo"),  # a call where the dataset answered in words
+    }
+    fake = ScriptedEngine(tok, script)
+    plain = [
+        {"role": "user", "content": "Hello there"},
+        {"role": "assistant", "content": "Hi!"},
+        {"role": "user", "content": "Bye"},
+    ]
+    convs = [tool_conversation(c) for c in ("Oslo", "Rome", "Bari", "Pisa")] + [plain]
+    s = Settings(max_new_tokens=64, max_length=1024)
+    oslo, rome, bari, pisa, unexpected = regenerate_conversations(fake, tok, convs, s, tools=[TOOLS] * 5)
+    # Matched: the call is kept as a call, the dataset's result follows, every turn is the target's.
+    assert oslo["status"] == "ok" and oslo["cut"] is None and oslo["turns_cut"] == 0
+    assert oslo["tool_outcomes"] == {"tool_call_matched": 1}
+    assert oslo["messages"] == [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [call("Oslo")]},
+        {"role": "tool", "content": "Oslo: 3 degrees"},
+        {"role": "assistant", "content": "Cold in Oslo."},
+        {"role": "user", "content": "Thanks about Oslo"},
+        {"role": "assistant", "content": "You are welcome."},
+    ]
+    ids, mask = oslo["input_ids"], oslo["loss_mask"]
+    runs, run = [], []
+    for t, m in zip(ids, mask):  # the masked tokens, run by run
+        if m:
+            run.append(t)
+        elif run:
+            runs, run = runs + [tok.decode(run)], []
+    assert runs == [written("Oslo") + "<|im_end|>", "Cold in Oslo.<|im_end|>", "You are welcome.<|im_end|>"]
+    assert "Oslo: 3 degrees" in tok.decode([t for t, m in zip(ids, mask) if not m])  # the result: context only
+    assert "DATASET ANSWER" not in tok.decode(ids)
+    # The second generation saw the dataset's result after the target's own call.
+    assert any(p.endswith("Oslo: 3 degrees\n</tool_response><|im_end|>\n<|im_start|>assistant\n") for p in fake.prompts)
+    # Differs: the conversation ends with the target's own turn; the two turns after it are cut.
+    for result, outcome, text in [
+        (rome, "tool_call_differs_cut", written("Milan")),
+        (bari, "tool_call_text_differs_cut", written("Bari", order=("arguments", "name"))),
+        (pisa, "tool_call_differs_cut", "I cannot look that up."),
+    ]:
+        assert result["status"] == "ok" and result["cut"] == outcome and result["tool_outcomes"] == {outcome: 1}
+        assert result["messages"][-1] == {"role": "assistant", "content": text}
+        assert len(result["messages"]) == 2 and result["turns_cut"] == 2
+        masked = [t for t, m in zip(result["input_ids"], result["loss_mask"]) if m]
+        assert tok.decode(masked) == text + "<|im_end|>"
+    assert unexpected["cut"] == "tool_call_unexpected_cut" and unexpected["turns_cut"] == 1
+    assert unexpected["messages"][-1] == {"role": "assistant", "content": written("Oslo")}
+
+
+def test_tool_outcomes_are_counted_in_the_shard_record(tmp_path):
+    from workflows.generate.regenerate import commit_shard_files
+
+    base = {"dataset": "agent", "split": "train", "shard": 0, "error": None, "finish": "eos", "truncated": False}
+    base.update(messages_json="[]", tools_json=None, input_ids=[1, 2], loss_mask=[0, 1], prompt_tokens=1)
+    rows = [
+        {
+            **base,
+            "id": "a",
+            "status": "ok",
+            "turns_cut": 0,
+            "cut": None,
+            "tool_outcomes_json": '{"tool_call_matched": 2}',
+        },
+        {
+            **base,
+            "id": "b",
+            "status": "ok",
+            "turns_cut": 3,
+            "cut": "tool_call_differs_cut",
+            "tool_outcomes_json": '{"tool_call_matched": 1, "tool_call_differs_cut": 1}',
+        },
+        {**base, "id": "c", "status": "ok", "turns_cut": 1, "cut": "overlong", "tool_outcomes_json": None},
+    ]
+    for r in rows:
+        r["answer_tokens"] = 1
+    record = commit_shard_files(tmp_path, 0, rows)
+    c = record["counts"]["agent"]
+    assert c["tool_call_matched"] == 3 and c["tool_call_differs_cut"] == 1
+    assert c["turns_cut_tool_call"] == 3 and c["turns_cut_overlong"] == 1 and c["conversations"] == 3
+    line = generate.format_accounting({"agent": {**c, "records": 3, "tool_conversations": 2}}).splitlines()[1]
+    assert line.endswith("  -  tools: call_differs_cut=1, call_matched=3, conversations=2, turns_cut_tool_call=3")
+
+
+@pytest.mark.slow
+def test_a_mixture_of_only_tool_conversations_gives_a_clear_accounting(tiny_target, tmp_path):
+    """Through the real tiny target on Ray Data: it never writes a call, so every
+    conversation whose first answer should call a tool ends on the target's answer
+    (tool_call_differs_cut, the later turns counted as cut); a bad record is a counted skip."""
+    records = [
+        {
+            "tools": TOOLS,
+            "messages": [
+                {"role": "user", "content": "Weather in Oslo?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "1", "content": "3 degrees"},
+                {"role": "assistant", "content": "Cold."},
+            ],
+        },
+        {
+            "tools": json.dumps([TOOLS[0]["function"]]),
+            "conversations": [
+                {"from": "human", "value": "Weather in Rome?"},
+                {"from": "function_call", "value": '{"name": "get_weather", "arguments": {"city": "Rome"}}'},
+                {"from": "observation", "value": "19 degrees"},
+                {"from": "gpt", "value": "Warm."},
+                {"from": "human", "value": "Thanks"},
+            ],
+        },
+        {"tools": TOOLS, "messages": [{"role": "user", "content": "What can you look up?"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "Weather in Bari?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"function": {"name": "get_weather", "arguments": "{bad"}}],
+                },
+            ]
+        },
+    ]
+    path = tmp_path / "agent.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    cfg = tiny_cfg(
+        tiny_target,
+        tmp_path / "run",
+        "mixture=bundled",
+        "~mixture.bundled",
+        "+dataset@mixture.agent=sharegpt",
+        f"mixture.agent.path={path}",
+        "mixture.agent.format=auto",
+        "data.heldout_fraction=0",
+        "data.num_engines=1",
+    )
+    out = generate.run(cfg, tiny_target)
+    table = json.loads((out / "accounting.json").read_text())
+    c = table["agent"]
+    assert c["records"] == 4 and c["conversations"] == 3 and c["skipped_bad_tool_arguments"] == 1
+    assert c["tool_conversations"] == 3 and c["tool_call_differs_cut"] == 2
+    assert c["turns_cut_tool_call"] == 1 + 2 and c.get("tool_call_matched", 0) == 0
+    text = (out / "accounting.txt").read_text()
+    assert "bad_tool_arguments=1  tools: call_differs_cut=2, conversations=3, turns_cut_tool_call=3" in text
+    rows = {r["messages"][0]["content"]: r for r in corpus_rows(tmp_path / "run")}
+    assert [m["role"] for m in rows["Weather in Oslo?"]["messages"]] == ["user", "assistant"]
+    assert [m["role"] for m in rows["What can you look up?"]["messages"]] == ["user", "assistant"]
+    for r in rows.values():  # the target's own answer is trained on; the tool list never is
+        masked = [t for t, m in zip(r["input_ids"], r["loss_mask"]) if m]
+        assert sum(r["loss_mask"]) > 0 and json.loads(r["tools_json"]) == TOOLS
+        assert "get_weather" not in engine_decode(tiny_target, masked)
+
+
+def engine_decode(target, ids):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(target)).decode(ids)

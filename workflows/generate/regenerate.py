@@ -5,6 +5,11 @@ system prompt, the user turns up to t and the *regenerated* answers before it, s
 history the draft trains on is what the target would really have said. Batches advance
 turn by turn, all conversations of the batch together.
 
+Tool conversations (agentic ones): turn t is generated after the dataset's tool results
+that answer the calls of turn t-1, and the dataset's results are kept only while they still
+answer the call the *target* made: see _tool_step for the rule (a differing call ends the
+conversation with the target's own turn, counted by outcome in the accounting table).
+
 One engine (workflows.core.engines: `hf` batched transformers generate, the CPU default,
 or `sglang`) per Ray actor, for the actor's life.
 """
@@ -16,12 +21,16 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3 import tool_calls
 from eagle3.chat_template import (
     TemplateError,
     apply_length_policy,
     check_template,
     generation_prompt_ids,
+    render,
     tokenize_conversation,
+    tool_family,
+    written_with_calls,
 )
 from workflows.core.engine_spec import EngineSpec
 from workflows.core.engines import make_engine
@@ -53,29 +62,100 @@ class Settings:
         return {"enable_thinking": self.reasoning}
 
 
-def regenerate_conversations(engine, tokenizer, conversations: list[list[dict]], s: Settings) -> list[dict]:
-    """Regenerated, tokenized conversations; each result has `status` ('ok' or a skip reason)."""
+def _segments(messages: list[dict]) -> list[tuple[list[dict], dict | None]]:
+    """The conversation cut at its assistant turns: (the turns sent before assistant turn t:
+    a user turn, or the tool results answering the calls of turn t-1; the dataset's turn t,
+    None for the answer to a conversation that ends on a user turn or on tool results)."""
+    body = messages[1:] if messages and messages[0]["role"] == "system" else messages
+    out, sent = [], []
+    for m in body:
+        if m["role"] == "assistant":
+            out.append((sent, m))
+            sent = []
+        else:
+            sent.append({k: v for k, v in m.items() if k != "reasoning_content"})
+    if sent:
+        out.append((sent, None))
+    return out
+
+
+def _tool_step(st: dict, t: int, raw: str, finish: str, tokenizer, s: Settings) -> tuple[dict, str | None]:
+    """The rule for turn t of a conversation with tools: (the message kept, the outcome).
+
+    The dataset's tool results answer the calls the dataset's assistant made. The target's
+    own turn t is parsed for calls in its template's format (eagle3.tool_calls):
+    * the dataset's turn made calls and the target made the same ones (names and
+      arguments, compared as canonical JSON), written exactly as its template writes them,
+      finished: `tool_call_matched`: the turn is kept as a call and the dataset's results
+      follow, the conversation goes on;
+    * the dataset's turn made calls and the target's differ (other calls, none, unreadable,
+      cut at max_new_tokens): `tool_call_differs_cut`: the dataset's results no longer
+      answer it, so the conversation ends with this turn;
+    * the same calls, written otherwise than its template writes them (spacing, key
+      order): `tool_call_text_differs_cut`: going on would put the template's text, not the
+      target's, in the history the draft trains on, so the conversation ends here;
+    * the dataset's turn answered without calls but the target called a tool while later
+      turns remain: `tool_call_unexpected_cut`: no result answers it, it ends here.
+    A turn that ends the conversation is the target's own text, kept whole (its calls as it
+    wrote them) and trained on: what came before it is kept, nothing is dropped silently."""
+    dataset = st["segments"][t][1]
+    wanted = (dataset or {}).get("tool_calls")
+    last = t == len(st["segments"]) - 1
+    try:
+        before, calls = tool_calls.parse(st["family"], raw)
+    except tool_calls.ToolCallSyntaxError:
+        before, calls = raw, None
+    plain = {"role": "assistant", "content": raw}
+    if not wanted:
+        called = calls is None or bool(calls)  # None: it opened a call it could not write
+        return plain, "tool_call_unexpected_cut" if called and not last else None
+    if calls is None or finish != "eos" or tool_calls.signature(calls) != tool_calls.signature(wanted):
+        return plain, "tool_call_differs_cut"
+    kept = {"role": "assistant", "content": before.strip(), "tool_calls": calls}
+    try:
+        history = [*st["history"], kept]
+        prefix = render(tokenizer, st["history"], add_generation_prompt=True, **st["kwargs"])
+        written = written_with_calls(tokenizer, history, len(history) - 1, prefix, st["kwargs"])
+    except TemplateError:
+        written = None
+    if written != raw:
+        return plain, "tool_call_text_differs_cut"
+    return kept, "tool_call_matched"
+
+
+def regenerate_conversations(
+    engine, tokenizer, conversations: list[list[dict]], s: Settings, tools: list[list[dict] | None] | None = None
+) -> list[dict]:
+    """Regenerated, tokenized conversations; each result has `status` ('ok' or a skip
+    reason), `cut` (why later turns were not generated: `overlong` or a tool-call outcome)
+    and `tool_outcomes` (counts of the tool-call rule's outcomes, see _tool_step)."""
+    tools = tools or [None] * len(conversations)
     states = []
-    for messages in conversations:
+    for messages, own_tools in zip(conversations, tools):
         system = [m for m in messages[:1] if m["role"] == "system"]
-        users = [m["content"] for m in messages if m["role"] == "user"]
+        with_tools = bool(own_tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+        kwargs = {**s.template_kwargs, **({"tools": own_tools} if own_tools else {})}
         states.append(
             {
                 "history": [{"role": m["role"], "content": m["content"]} for m in system],
-                "users": users,
+                "segments": _segments(messages),
                 "finish": [],
                 "stopped": False,
+                "cut": None,
+                "kwargs": kwargs,
+                "family": tool_family(tokenizer, **s.template_kwargs) if with_tools else None,
+                "outcomes": Counter(),
             }
         )
-    for t in range(max((len(st["users"]) for st in states), default=0)):
+    for t in range(max((len(st["segments"]) for st in states), default=0)):
         batch = []
         for st in states:
-            if st["stopped"] or t >= len(st["users"]):
+            if st["stopped"] or t >= len(st["segments"]):
                 continue
-            history = st["history"] + [{"role": "user", "content": st["users"][t]}]
-            ids = generation_prompt_ids(tokenizer, history, **s.template_kwargs)
+            history = st["history"] + st["segments"][t][0]
+            ids = generation_prompt_ids(tokenizer, history, **st["kwargs"])
             if len(ids) >= s.max_length:  # no room left for an answer: later turns are cut
-                st["stopped"] = True
+                st["stopped"], st["cut"] = True, "overlong"
                 continue
             st["history"] = history
             batch.append((st, ids))
@@ -83,8 +163,18 @@ def regenerate_conversations(engine, tokenizer, conversations: list[list[dict]],
             break
         answers = engine.generate([ids for _, ids in batch], s.max_new_tokens, s.temperature, s.top_p)
         for (st, _), (answer, finish) in zip(batch, answers):
-            text = tokenizer.decode(answer, skip_special_tokens=True)
-            st["history"].append({"role": "assistant", "content": text})
+            if st["family"] is None:
+                message = {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}
+            else:
+                # Kept with its special tokens: a template's call markup may be made of them
+                # (Kimi-K2's are); the stop token itself is not in `answer`.
+                raw = tokenizer.decode(answer, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                message, outcome = _tool_step(st, t, raw, finish, tokenizer, s)
+                if outcome is not None:
+                    st["outcomes"][outcome] += 1
+                    if outcome.endswith("_cut"):
+                        st["stopped"], st["cut"] = True, outcome
+            st["history"].append(message)
             st["finish"].append(finish)
     return [_tokenize(tokenizer, st, s) for st in states]
 
@@ -93,7 +183,9 @@ def _tokenize(tokenizer, st: dict, s: Settings) -> dict:
     result = {
         "messages": st["history"],
         "finish": st["finish"][-1] if st["finish"] else None,
-        "turns_cut": len(st["users"]) - len(st["finish"]),
+        "turns_cut": len(st["segments"]) - len(st["finish"]),
+        "cut": st["cut"] if len(st["segments"]) > len(st["finish"]) else None,
+        "tool_outcomes": dict(st["outcomes"]),
         "input_ids": [],
         "loss_mask": [],
         "truncated": False,
@@ -109,7 +201,7 @@ def _tokenize(tokenizer, st: dict, s: Settings) -> dict:
             st["history"],
             keep_reasoning=s.keep_reasoning,
             end_of_turn=[f == "eos" for f in st["finish"]],
-            **s.template_kwargs,
+            **st["kwargs"],
         )
     except TemplateError as exc:
         result.update(status="mask_round_trip_failed", error=str(exc))
@@ -150,7 +242,11 @@ class Regenerator:
 
         rows = batch.to_pylist()
         results = regenerate_conversations(
-            self.engine, self.tokenizer, [json.loads(r["messages_json"]) for r in rows], self.s
+            self.engine,
+            self.tokenizer,
+            [json.loads(r["messages_json"]) for r in rows],
+            self.s,
+            tools=[json.loads(r.get("tools_json") or "null") for r in rows],
         )
         out = []
         for row, res in zip(rows, results):
@@ -166,7 +262,10 @@ class Regenerator:
                     "finish": res["finish"],
                     "truncated": res["truncated"],
                     "turns_cut": res["turns_cut"],
+                    "cut": res["cut"],
+                    "tool_outcomes_json": json.dumps(res["tool_outcomes"]) if res["tool_outcomes"] else None,
                     "messages_json": json.dumps(res["messages"], ensure_ascii=False),
+                    "tools_json": row.get("tools_json"),
                     "input_ids": res["input_ids"],
                     "loss_mask": mask,
                     "prompt_tokens": len(mask) - sum(mask),
@@ -195,7 +294,11 @@ def commit_shard_files(folder: Path, index: int, rows: list[dict]) -> dict:
             c["prompt_tokens"] += r["prompt_tokens"]
             c["answer_tokens"] += r["answer_tokens"]
             c["truncated"] += int(r["truncated"])
-            c["turns_cut_overlong"] += r["turns_cut"]
+            # Turns not generated: the prompt outgrew max_length, or the tool-call rule ended
+            # the conversation (its outcome counted below, per conversation).
+            c["turns_cut_overlong" if r["cut"] in (None, "overlong") else "turns_cut_tool_call"] += r["turns_cut"]
+            for outcome, n in json.loads(r["tool_outcomes_json"] or "{}").items():
+                c[outcome] += n
             c["finished_eos"] += int(r["finish"] == "eos")
         else:
             c[f"skipped_{r['status']}"] += 1
@@ -236,7 +339,8 @@ class ShardRegenerator(Regenerator):
                 group = prompts[k : k + self.batch_size]
                 for p in group:
                     p["messages_json"], p["shard"] = json.dumps(p.pop("messages")), plan["shard"]
-                    p["tools_json"] = json.dumps(p.pop("tools", None))
+                    tools = p.pop("tools", None)
+                    p["tools_json"] = json.dumps(tools, ensure_ascii=False) if tools else None
                 rows += super().__call__(pa.Table.from_pylist(group)).to_pylist()
             record = commit_shard_files(self.folder, plan["shard"], rows)
             answers = sum(c.get("answer_tokens", 0) for c in record["counts"].values())
@@ -260,7 +364,10 @@ def RESULT_SCHEMA():  # noqa: N802 - a schema constant, built lazily (pyarrow im
             ("finish", pa.string()),
             ("truncated", pa.bool_()),
             ("turns_cut", pa.int64()),
+            ("cut", pa.string()),  # why later turns were not generated (overlong, a tool-call outcome)
+            ("tool_outcomes_json", pa.string()),  # the tool-call rule's outcomes in this conversation
             ("messages_json", pa.string()),
+            ("tools_json", pa.string()),  # the conversation's tool definitions, null without
             ("input_ids", pa.list_(pa.int32())),
             ("loss_mask", pa.list_(pa.uint8())),
             ("prompt_tokens", pa.int64()),

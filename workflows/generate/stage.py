@@ -120,6 +120,29 @@ def engine_count(cfg: FullConfig, pending_shards: int) -> int:
     return max(1, min(cfg.data.num_engines, pending_shards))
 
 
+def check_tool_rendering(cfg: FullConfig, target_path: Path, rows: list[dict]) -> None:
+    """Conversations with tool turns need a target template that renders them (and writes
+    calls in a format eagle3.tool_calls reads): refuse in one line, naming the datasets,
+    before any engine starts, rather than failing every shard that holds one."""
+    with_tools = Counter(r["dataset"] for r in rows if ingest.has_tool_turns(r["messages"], r.get("tools")))
+    if not with_tools:
+        return
+    from transformers import AutoTokenizer
+
+    from eagle3.chat_template import TemplateError, check_tool_template
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target_path), trust_remote_code=cfg.target.trust_remote_code)
+    try:
+        family = check_tool_template(tokenizer, enable_thinking=cfg.data.reasoning)
+    except TemplateError as exc:
+        held = ", ".join(f"{name} ({n})" for name, n in sorted(with_tools.items()))
+        raise TemplateError(
+            f"generate: the mixture holds tool conversations ({held}) but {exc}; drop those datasets "
+            "(~mixture.<name>) or use a target whose template renders tools"
+        ) from None
+    log(f"generate: {sum(with_tools.values())} tool conversations, calls read in the {family!r} format")
+
+
 def regenerate_shards(
     cfg: FullConfig,
     target_path: Path,
@@ -233,6 +256,16 @@ def accounting(ingest_counts: dict[str, Counter], shards: dict[int, dict]) -> di
     return {name: dict(sorted(c.items())) for name, c in table.items()}
 
 
+TOOL_COUNTS = ("tool_conversations", "tool_call_matched", "turns_cut_tool_call")
+
+
+def _tool_part(c: dict) -> str:
+    """The tool-call rule's counts of a row (see regenerate._tool_step), shown only where a
+    dataset has tool conversations: `tools: conversations=3, call_matched=1, ...`."""
+    keys = [k for k in c if (k in TOOL_COUNTS or k.startswith("tool_call_")) and c[k]]
+    return ("  tools: " + ", ".join(f"{k.removeprefix('tool_')}={c[k]}" for k in sorted(keys))) if keys else ""
+
+
 def format_accounting(table: dict[str, dict]) -> str:
     main = ["records", "conversations", "prompt_tokens", "answer_tokens", "truncated", "finished_eos"]
     lines = [f"{'dataset':<20}" + "".join(f"{c:>15}" for c in main) + "  skipped"]
@@ -240,9 +273,11 @@ def format_accounting(table: dict[str, dict]) -> str:
     for name, c in table.items():
         total.update(c)
         skips = ", ".join(f"{k.removeprefix('skipped_')}={v}" for k, v in c.items() if k.startswith("skipped_") and v)
-        lines.append(f"{name:<20}" + "".join(f"{c.get(k, 0):>15}" for k in main) + f"  {skips or '-'}")
+        lines.append(f"{name:<20}" + "".join(f"{c.get(k, 0):>15}" for k in main) + f"  {skips or '-'}" + _tool_part(c))
     skips = ", ".join(f"{k.removeprefix('skipped_')}={v}" for k, v in total.items() if k.startswith("skipped_") and v)
-    lines.append(f"{'TOTAL':<20}" + "".join(f"{total.get(k, 0):>15}" for k in main) + f"  {skips or '-'}")
+    lines.append(
+        f"{'TOTAL':<20}" + "".join(f"{total.get(k, 0):>15}" for k in main) + f"  {skips or '-'}" + _tool_part(total)
+    )
     return "\n".join(lines)
 
 
@@ -289,6 +324,7 @@ def run(cfg: FullConfig, target_path: Path, on_commit: Callable[[int], None] | N
             f"({cfg.data.backend} x{engine_count(cfg, len(plans))})"
         )
         if plans:
+            check_tool_rendering(cfg, target_path, rows)
             regenerate_shards(cfg, target_path, plans, layout, on_commit)
         shards = layout.committed_corpus_shards()
         ids = [i for s in shards.values() for i in s["ids"]]
