@@ -553,3 +553,31 @@ def engine_decode(target, ids):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(target)).decode(ids)
+
+
+def test_a_target_template_without_tools_is_refused_before_any_engine_starts(tiny_target, tmp_path):
+    from transformers import AutoTokenizer
+
+    from eagle3.chat_template import TemplateError
+    from workflows.core.errors import USER_ERRORS
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_target))
+    tok.chat_template = (  # SmolLM2's shape: ChatML writing only `content`
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    tok.save_pretrained(tmp_path / "plain")
+    cfg = tiny_cfg(tiny_target, tmp_path / "run")
+    rows = [
+        {"dataset": "chat", "messages": [{"role": "user", "content": "Hi"}]},
+        {"dataset": "agent", "messages": tool_conversation("Oslo"), "tools": TOOLS},
+    ]
+    generate.check_tool_rendering(cfg, tmp_path / "plain", rows[:1])  # no tool turn: nothing to check
+    with pytest.raises(
+        TemplateError,
+        match=r"generate: the mixture holds tool conversations \(agent \(1\)\) but .*"
+        r"cannot render tool calls .* drop those datasets \(~mixture.<name>\)",
+    ) as err:
+        generate.check_tool_rendering(cfg, tmp_path / "plain", rows)
+    assert isinstance(err.value, USER_ERRORS) and "\n" not in str(err.value)
+    generate.check_tool_rendering(cfg, tiny_target, rows)  # the tiny target's own template renders them
