@@ -750,3 +750,37 @@ def test_tool_turn_details(tmp_path):
     assert [m["content"] for m in first[3:5]] == ['{"temp": 3}', "19"]
     assert second[1] == msg("assistant", "Let me look.", tool_calls=[CALL])  # the two turns are one
     assert [m["role"] for m in second] == ["user", "assistant", "tool", "assistant"]
+
+
+def test_hermes_multi_turn_record_shape(tmp_path):
+    """The shape of Hermes' func-calling.json (the Kimi preset's function_calling): the tool
+    schemas in the system text, two calls in one gpt turn as Python dict literals, their two
+    results in one tool turn, then a later user turn."""
+    record = {
+        "id": "h1",
+        "conversations": [
+            {"from": "system", "value": "You are a function calling AI model. <tools> [...] </tools>"},
+            {"from": "human", "value": "Stock prices of TSLA and AAPL?"},
+            {
+                "from": "gpt",
+                "value": "<tool_call>\n{'arguments': {'symbol': 'TSLA'}, 'name': 'get_stock_price'}\n</tool_call>\n"
+                "<tool_call>\n{'arguments': {'symbol': 'AAPL'}, 'name': 'get_stock_price'}\n</tool_call>\n",
+            },
+            {
+                "from": "tool",
+                "value": "<tool_response>\n{'name': 'get_stock_price', 'content': {'price': 1}}\n</tool_response>\n"
+                "<tool_response>\n{'name': 'get_stock_price', 'content': {'price': 2}}\n</tool_response>\n",
+            },
+            {"from": "gpt", "value": "TSLA is at 1, AAPL at 2."},
+            {"from": "human", "value": "Thanks!"},
+        ],
+    }
+    path = tmp_path / "func-calling.json"
+    path.write_text(json.dumps([record]))
+    rows, counts = ingest_file(path, fmt="sharegpt")
+    assert counts["conversations"] == 1 and counts["tool_conversations"] == 1
+    m = rows[0]["messages"]
+    assert [x["role"] for x in m] == ["system", "user", "assistant", "tool", "tool", "assistant", "user"]
+    assert [c["function"]["arguments"] for c in m[2]["tool_calls"]] == [{"symbol": "TSLA"}, {"symbol": "AAPL"}]
+    assert m[2]["content"] == "" and m[3]["content"] == "{'name': 'get_stock_price', 'content': {'price': 1}}"
+    assert "tools" not in rows[0]  # the schemas stay in the system text, where the dataset has them
