@@ -84,11 +84,26 @@ TOOL_FIELDS = ("tool_calls", "tool_call_id", "name")
 
 def _plain(messages: Sequence[dict], keep_reasoning: bool) -> list[dict]:
     """Messages as the template sees them: role and content (reasoning inlined), plus the
-    tool fields a turn has."""
-    out = []
+    tool fields a turn has.
+
+    Calls without an id get `functions.<name>:<k>` (k counts the conversation's calls), and
+    results without a `tool_call_id` the id of the call they answer, in order, as a client
+    hands them back when served: some templates write a call by its id (Kimi-K2's does,
+    in that very form) or a result by its call's id; the others ignore ids."""
+    out, pending, k = [], [], 0
     for m in messages:
         text = assistant_text(m, keep_reasoning) if m["role"] == "assistant" else m["content"]
-        out.append({"role": m["role"], "content": text, **{k: m[k] for k in TOOL_FIELDS if m.get(k)}})
+        message = {"role": m["role"], "content": text, **{f: m[f] for f in TOOL_FIELDS if m.get(f)}}
+        if message.get("tool_calls"):
+            calls = []
+            for c in message["tool_calls"]:
+                calls.append(c if c.get("id") else {**c, "id": f"functions.{c['function']['name']}:{k}"})
+                k += 1
+            message["tool_calls"], pending = calls, [c["id"] for c in calls]
+        elif m["role"] == "tool" and pending:
+            answered = pending.pop(0)
+            message.setdefault("tool_call_id", answered)
+        out.append(message)
     return out
 
 
@@ -167,9 +182,15 @@ def assistant_char_spans(
 SENTINEL = "\u2063sentinel answer\u2063"  # text no template rewrites and no conversation holds
 
 
+def template_messages(messages: Sequence[dict], keep_reasoning: bool = True) -> list[dict]:
+    """Messages as they are handed to the template (see _plain)."""
+    return _plain(messages, keep_reasoning)
+
+
 def written_with_calls(tokenizer, plain: list[dict], i: int, prefix: str, template_kwargs: dict) -> str:
     """What assistant message i (one with tool calls) writes: its rendering after the
-    generation prompt, less the closing markup the template puts after a plain answer."""
+    generation prompt, less the closing markup the template puts after a plain answer
+    (`plain`: messages as template_messages gives them)."""
     name = template_name(tokenizer)
     upto = render(tokenizer, plain[: i + 1], **template_kwargs)
     probe = render(tokenizer, [*plain[:i], {"role": "assistant", "content": SENTINEL}], **template_kwargs)
@@ -248,10 +269,13 @@ def tool_family(tokenizer, **template_kwargs: Any) -> str:
     if name in _FAMILIES:
         return _FAMILIES[name]
     kwargs = {**template_kwargs, "tools": TOOL_PROBE_TOOLS}
-    plain = [
-        {"role": "user", "content": "Weather in Oslo?"},
-        {"role": "assistant", "content": "", "tool_calls": [tc.call(tc.PROBE_NAME, tc.PROBE_ARGUMENTS)]},
-    ]
+    plain = _plain(
+        [
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": "", "tool_calls": [tc.call(tc.PROBE_NAME, tc.PROBE_ARGUMENTS)]},
+        ],
+        keep_reasoning=True,
+    )
     prefix = render(tokenizer, plain[:1], add_generation_prompt=True, **kwargs)
     written = written_with_calls(tokenizer, plain, 1, prefix, kwargs)
     try:

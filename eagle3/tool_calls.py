@@ -105,7 +105,7 @@ def parse_hermes(text: str) -> tuple[str, list[dict]]:
 
 KIMI_SECTION = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
 KIMI_CALL = re.compile(
-    r"\s*<\|tool_call_begin\|>\s*(?:functions\.)?(?P<name>[^\s:<]+):\d+\s*<\|tool_call_argument_begin\|>"
+    r"\s*<\|tool_call_begin\|>\s*(?P<id>(?:functions\.)?(?P<name>[^\s:<]+):\d+)\s*<\|tool_call_argument_begin\|>"
     r"(?P<args>.*?)<\|tool_call_end\|>",
     re.S,
 )
@@ -121,7 +121,8 @@ def parse_kimi_k2(text: str) -> tuple[str, list[dict]]:
                 raise ToolCallSyntaxError(
                     f"unreadable text in the tool-call section: {section[pos : m.start()][:40]!r}"
                 )
-            calls.append(call(m["name"], _arguments(m["args"], f"tool call {len(calls)}")))
+            # The id (`functions.<name>:<k>`) is kept: the template writes the call back by it.
+            calls.append({**call(m["name"], _arguments(m["args"], f"tool call {len(calls)}")), "id": m["id"]})
             pos = m.end()
         if section[pos:].strip():
             raise ToolCallSyntaxError(f"unreadable text in the tool-call section: {section[pos:][:40]!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -335,7 +336,10 @@ def test_tool_call_parsers():
         '{"a": [1, "x"]}<|tool_call_end|><|tool_call_begin|>functions.g:1<|tool_call_argument_begin|>{}'
         "<|tool_call_end|><|tool_calls_section_end|>"
     )
-    assert tcs.parse("kimi_k2", kimi) == ("Sure.", [call, tcs.call("g", {})])
+    assert tcs.parse("kimi_k2", kimi) == (
+        "Sure.",
+        [{**call, "id": "functions.f:0"}, {**tcs.call("g", {}), "id": "functions.g:1"}],
+    )
     for family, broken in [
         ("hermes", "<tool_call>{'name': 'f'}</tool_call>"),  # a target writes JSON, not Python
         ("hermes", '<tool_call>{"name": "f", "arguments": {}}'),
@@ -369,3 +373,44 @@ def test_real_smollm2_template_refuses_tool_turns_naming_them():
         tokenize_conversation(tok, TOOL_CONVERSATION, tools=WEATHER_TOOLS)
     with pytest.raises(TemplateError, match=r"cannot render tool calls"):  # no tool list: the calls fail
         tokenize_conversation(tok, TOOL_CONVERSATION)
+
+
+# Kimi-K2's shape (in this project's words): calls written by their id, `functions.<name>:<k>`,
+# inside a tool-call section; a result introduced by the id of the call it answers.
+KIMI_SHAPED = (
+    "{% if tools %}{{ '<|im_system|>tool_declare<|im_middle|>' + (tools | tojson) + '<|im_end|>' }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}{{ '<|im_assistant|>assistant<|im_middle|>' + m['content'] }}"
+    "{% if m['tool_calls'] is defined %}{{ '<|tool_calls_section_begin|>' }}{% for c in m['tool_calls'] %}"
+    "{{ '<|tool_call_begin|>' + c['id'] + '<|tool_call_argument_begin|>' + (c['function']['arguments'] | tojson)"
+    " + '<|tool_call_end|>' }}{% endfor %}{{ '<|tool_calls_section_end|>' }}{% endif %}{{ '<|im_end|>' }}"
+    "{% elif m['role'] == 'tool' %}"
+    "{{ '<|im_system|>tool<|im_middle|>## Return of ' + m['tool_call_id'] + '\\n' + m['content'] + '<|im_end|>' }}"
+    "{% else %}{{ '<|im_' + m['role'] + '|>' + m['role'] + '<|im_middle|>' + m['content'] + '<|im_end|>' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_assistant|>assistant<|im_middle|>' }}{% endif %}"
+)
+
+
+def kimi_call(k, city):
+    return (
+        f"<|tool_call_begin|>functions.get_weather:{k}<|tool_call_argument_begin|>"
+        + json.dumps({"city": city})
+        + "<|tool_call_end|>"
+    )
+
+
+def test_kimi_shaped_template_writes_calls_by_id_and_masks_them(tok):
+    from eagle3.chat_template import check_tool_template
+
+    kimi = _with_template(tok, KIMI_SHAPED)
+    assert check_tool_template(kimi) == "kimi_k2"
+    result = tokenize_conversation(kimi, TOOL_CONVERSATION, tools=WEATHER_TOOLS)
+    section = "<|tool_calls_section_begin|>{}<|tool_calls_section_end|>"
+    assert masked_turns(kimi, result) == [
+        "Checking." + section.format(kimi_call(0, "Oslo") + kimi_call(1, "Rome")) + "<|im_end|>",
+        WRITTEN[1] + "<|im_end|>",
+        section.format(kimi_call(2, "Bari")) + "<|im_end|>",
+    ]
+    text = kimi.decode(result.input_ids)  # each result names the call it answers
+    assert "## Return of functions.get_weather:0\n3 degrees" in text
+    assert "## Return of functions.get_weather:1\n19 degrees" in text

@@ -581,3 +581,30 @@ def test_a_target_template_without_tools_is_refused_before_any_engine_starts(tin
         generate.check_tool_rendering(cfg, tmp_path / "plain", rows)
     assert isinstance(err.value, USER_ERRORS) and "\n" not in str(err.value)
     generate.check_tool_rendering(cfg, tiny_target, rows)  # the tiny target's own template renders them
+
+
+def test_tool_call_rule_on_a_kimi_shaped_template(engine):
+    """The same rule where the template writes calls by id (Kimi-K2's shape): the target's
+    call `functions.get_weather:0` is the dataset's, kept by its id, and the conversation
+    goes on; a call with other arguments ends it."""
+    from transformers import AutoTokenizer
+
+    from tests.test_chat_template import KIMI_SHAPED, kimi_call
+
+    kimi = AutoTokenizer.from_pretrained(engine.tokenizer.name_or_path)
+    kimi.chat_template = KIMI_SHAPED
+    section = "<|tool_calls_section_begin|>{}<|tool_calls_section_end|>"
+    script = {
+        "Weather in Oslo?": section.format(kimi_call(0, "Oslo")),
+        "Oslo: 3 degrees": "Cold.",
+        "Thanks about Oslo": "Welcome.",
+        "Weather in Rome?": section.format(kimi_call(0, "Roma")),
+    }
+    s = Settings(max_new_tokens=64, max_length=1024)
+    oslo, rome = regenerate_conversations(
+        ScriptedEngine(kimi, script), kimi, [tool_conversation("Oslo"), tool_conversation("Rome")], s, [TOOLS] * 2
+    )
+    assert oslo["tool_outcomes"] == {"tool_call_matched": 1} and oslo["cut"] is None
+    assert oslo["messages"][1]["tool_calls"] == [{**call("Oslo"), "id": "functions.get_weather:0"}]
+    assert "## Return of functions.get_weather:0\nOslo: 3 degrees" in kimi.decode(oslo["input_ids"])
+    assert rome["cut"] == "tool_call_differs_cut" and rome["turns_cut"] == 2

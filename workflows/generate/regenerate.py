@@ -28,6 +28,7 @@ from eagle3.chat_template import (
     check_template,
     generation_prompt_ids,
     render,
+    template_messages,
     tokenize_conversation,
     tool_family,
     written_with_calls,
@@ -113,8 +114,8 @@ def _tool_step(st: dict, t: int, raw: str, finish: str, tokenizer, s: Settings) 
         return plain, "tool_call_differs_cut"
     kept = {"role": "assistant", "content": before.strip(), "tool_calls": calls}
     try:
-        history = [*st["history"], kept]
-        prefix = render(tokenizer, st["history"], add_generation_prompt=True, **st["kwargs"])
+        history = template_messages([*st["history"], kept])
+        prefix = render(tokenizer, history[:-1], add_generation_prompt=True, **st["kwargs"])
         written = written_with_calls(tokenizer, history, len(history) - 1, prefix, st["kwargs"])
     except TemplateError:
         written = None
@@ -296,8 +297,8 @@ def commit_shard_files(folder: Path, index: int, rows: list[dict]) -> dict:
             c["truncated"] += int(r["truncated"])
             # Turns not generated: the prompt outgrew max_length, or the tool-call rule ended
             # the conversation (its outcome counted below, per conversation).
-            c["turns_cut_overlong" if r["cut"] in (None, "overlong") else "turns_cut_tool_call"] += r["turns_cut"]
-            for outcome, n in json.loads(r["tool_outcomes_json"] or "{}").items():
+            c["turns_cut_overlong" if r.get("cut") in (None, "overlong") else "turns_cut_tool_call"] += r["turns_cut"]
+            for outcome, n in json.loads(r.get("tool_outcomes_json") or "{}").items():
                 c[outcome] += n
             c["finished_eos"] += int(r["finish"] == "eos")
         else:

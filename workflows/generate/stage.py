@@ -299,7 +299,10 @@ def run(cfg: FullConfig, target_path: Path, on_commit: Callable[[int], None] | N
         "data": data,
         "target": identity_for(cfg, target_path),
         "seed": cfg.seed,
-        "prompts": config_hash({"rows": [[r["id"], r["split"], r["messages"]] for r in rows]}),
+        # A row's tools only where it has some: the keys of runs without tools stay as they were.
+        "prompts": config_hash(
+            {"rows": [[r["id"], r["split"], r["messages"]] + ([r["tools"]] if r.get("tools") else []) for r in rows]}
+        ),
     }
 
     def build() -> dict:
