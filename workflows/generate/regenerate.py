@@ -80,7 +80,7 @@ def _segments(messages: list[dict]) -> list[tuple[list[dict], dict | None]]:
     return out
 
 
-def _tool_step(st: dict, t: int, raw: str, finish: str, tokenizer, s: Settings) -> tuple[dict, str | None]:
+def _tool_step(st: dict, t: int, raw: str, finish: str, tokenizer) -> tuple[dict, str | None]:
     """The rule for turn t of a conversation with tools: (the message kept, the outcome).
 
     The dataset's tool results answer the calls the dataset's assistant made. The target's
@@ -170,7 +170,7 @@ def regenerate_conversations(
                 # Kept with its special tokens: a template's call markup may be made of them
                 # (Kimi-K2's are); the stop token itself is not in `answer`.
                 raw = tokenizer.decode(answer, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-                message, outcome = _tool_step(st, t, raw, finish, tokenizer, s)
+                message, outcome = _tool_step(st, t, raw, finish, tokenizer)
                 if outcome is not None:
                     st["outcomes"][outcome] += 1
                     if outcome.endswith("_cut"):
