@@ -106,17 +106,27 @@ def padded_layout(attention_mask: torch.Tensor) -> dict:
     return {"position_ids": positions, "segment_ids": attention_mask.bool().long() - 1}
 
 
+# A sample's or batch's per-token states: bf16 `aux`/`final`, or as an int8 store holds them,
+# int8 with float32 `aux_scale`/`final_scale` (one per token and captured layer), which batch
+# like the states (padding 0: q = 0, scale 0 reads back as the 0.0 a bf16 batch pads with).
+STATE_KEYS = ("aux", "final", "aux_scale", "final_scale")
+
+
+def state_keys(sample: dict) -> list[str]:
+    return [k for k in STATE_KEYS if k in sample]
+
+
 def collate_samples(samples, pad_id: int = 0) -> dict:
-    """A training batch from per-sample dicts (input_ids, loss_mask [T], aux, final [T, .]),
-    e.g. read from the hidden-state store: states keep their dtype. One sample per row."""
+    """A training batch from per-sample dicts (input_ids, loss_mask [T], aux, final [T, .],
+    and with int8 states their scales), e.g. read from the hidden-state store: states keep
+    their dtype. One sample per row."""
     ids, loss, attn = pad_right([s["input_ids"] for s in samples], [s["loss_mask"] for s in samples], pad_id)
     return {
         "input_ids": ids,
         "loss_mask": loss,
         "attention_mask": attn,
         **padded_layout(attn),
-        "aux": pad_stack([s["aux"] for s in samples]),
-        "final": pad_stack([s["final"] for s in samples]),
+        **{k: pad_stack([s[k] for s in samples]) for k in state_keys(samples[0])},
     }
 
 
@@ -170,7 +180,8 @@ def pack_samples(samples, max_seq_len: int, pad_id: int = 0, rows_per_batch: int
     longer than max_seq_len is truncated to it and counted in `Packing.truncated`."""
     if max_seq_len < 1 or rows_per_batch < 1:
         raise ValueError(f"max_seq_len={max_seq_len} and rows_per_batch={rows_per_batch} must be >= 1")
-    cut = [{key: s[key][:max_seq_len] for key in ("input_ids", "loss_mask", "aux", "final")} for s in samples]
+    keys = ("input_ids", "loss_mask", *state_keys(samples[0])) if samples else ()
+    cut = [{key: s[key][:max_seq_len] for key in keys} for s in samples]
     truncated = sum(len(s["input_ids"]) > max_seq_len for s in samples)
     rows = first_fit([len(s["input_ids"]) for s in cut], max_seq_len)
     batches, tokens, slots = [], 0, 0
@@ -184,8 +195,7 @@ def pack_samples(samples, max_seq_len: int, pad_id: int = 0, rows_per_batch: int
                 {
                     "input_ids": ids,
                     "loss_mask": torch.cat([torch.as_tensor(p["loss_mask"], dtype=torch.long) for p in parts]),
-                    "aux": torch.cat([p["aux"] for p in parts]),
-                    "final": torch.cat([p["final"] for p in parts]),
+                    **{k: torch.cat([p[k] for p in parts]) for k in keys[2:]},
                     "position_ids": torch.cat([torch.arange(len(p["input_ids"]), device=ids.device) for p in parts]),
                     "segment_ids": torch.cat(
                         [
@@ -198,8 +208,7 @@ def pack_samples(samples, max_seq_len: int, pad_id: int = 0, rows_per_batch: int
         batch = {
             "input_ids": pad_stack([p["input_ids"] for p in packed], pad_id),
             "loss_mask": pad_stack([p["loss_mask"] for p in packed], 0),
-            "aux": pad_stack([p["aux"] for p in packed]),
-            "final": pad_stack([p["final"] for p in packed]),
+            **{k: pad_stack([p[k] for p in packed]) for k in keys[2:]},
             "position_ids": pad_stack([p["position_ids"] for p in packed], 0),
             "segment_ids": pad_stack([p["segment_ids"] for p in packed], -1),
         }

@@ -132,6 +132,8 @@ def forward_batch(
 
     Packed batches (eagle3.target_features.pack_samples) also carry `position_ids` and
     `segment_ids` [B, T]; a batch without them is one sample per row."""
+    if "aux_scale" in batch:  # int8 states as an int8 store holds them
+        raise ValueError("forward_batch got int8 states with their scales: dequantise the batch first (data.to_device)")
     aux = batch["aux"]
     if train:
         aux = add_noise(aux, ttt.noise, generator)

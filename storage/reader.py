@@ -3,7 +3,10 @@
 Only shards listed in the manifest are visible. States come back as torch bfloat16
 tensors whatever the store's scheme (storage.states): a bf16 store's stored bit patterns
 reinterpreted, never rounded again; an int8 store's values dequantised here, on the CPU
-(q * scale in float32, rounded once to bf16). A scheme this code does not know is refused.
+(q * scale in float32, rounded once to bf16), or with `iter_samples(..., dequantize=False)`
+left as stored (int8 + float32 scales) for the trainer, which dequantises them on its
+device after the copy (storage.states.decode_batch): half the bytes cross, and a GPU does
+the multiply. A scheme this code does not know is refused.
 
 Uncompressed arrays are read with plain file I/O in Zarr's own layout (storage.
 zarr_direct): a whole shard's array in one read, a sample's rows in one ranged read.
@@ -27,7 +30,7 @@ import numpy as np
 import torch
 
 from storage import zarr_direct
-from storage.states import STATE_ARRAYS, decode_states, state_shapes
+from storage.states import STATE_ARRAYS, decode_states, state_shapes, states_as_tensors
 from storage.store import HiddenStateStore, StoreError, sample_ids_hash, split_of, state_dtype_of
 
 TOKEN_ARRAYS = ("input_ids", "loss_mask", "offsets")
@@ -230,10 +233,10 @@ class StoreReader:
             raise self._error(name, f"offsets {off.tolist()[:8]}... do not split {t} tokens into {n} non-empty samples")
         return {"shard": name, "sample_ids": ids, **out}
 
-    def _stream(self, names: list[str], prefetch: bool, decode: bool = False) -> Iterator[dict]:
+    def _stream(self, names: list[str], prefetch: bool, decode: bool | None = None) -> Iterator[dict]:
         """Checked shards in order; corrupt ones per `on_corrupt`. With `prefetch` the next
-        shard is read (and with `decode`, its states decoded) in the background while the
-        caller works on this one: two shards in memory (plus what the caller keeps)."""
+        shard is read (and with `decode`, its states made tensors) in the background while
+        the caller works on this one: two shards in memory (plus what the caller keeps)."""
         for name in names:
             self._row(name)  # an unknown name fails before anything is read
         if not prefetch:
@@ -252,9 +255,11 @@ class StoreReader:
                     yield shard
                 del shard
 
-    def _read_or_skip(self, name: str, decode: bool = False) -> dict | None:
-        """`read_shard`, or None for a corrupt shard skipped; with `decode`, its states as
-        bf16 tensors `aux`/`final` (int8 dequantised here: in the prefetch thread)."""
+    def _read_or_skip(self, name: str, decode: bool | None = None) -> dict | None:
+        """`read_shard`, or None for a corrupt shard skipped. `decode` True: its states as bf16
+        tensors `aux`/`final` (int8 dequantised here: in the prefetch thread); False: as
+        tensors of the stored dtypes (int8 and its scales; bf16 bits as bf16); None: numpy
+        arrays as stored."""
         try:
             shard = self.read_shard(name)
         except StoreError as exc:
@@ -262,34 +267,38 @@ class StoreReader:
                 raise
             self.skipped[name] = str(exc)
             return None
-        if decode:
-            aux, final = decode_states(shard, self.state_dtype)
+        if decode is not None:
+            states = states_as_tensors(shard, self.state_dtype, dequantize=decode)
             shard = {k: v for k, v in shard.items() if k not in STATE_ARRAYS[self.state_dtype]}
-            shard.update(aux=aux, final=final)
+            shard.update(states)
         return shard
 
     def iter_shards(self, shard_names: list[str] | None = None, prefetch: bool = True) -> Iterator[dict]:
         """Whole checked shards (see `read_shard`), in the given order or manifest order."""
         return self._stream(self.shard_names() if shard_names is None else list(shard_names), prefetch)
 
-    def iter_samples(self, shard_names: list[str], seed: int | None = None, prefetch: bool = True) -> Iterator[dict]:
+    def iter_samples(
+        self, shard_names: list[str], seed: int | None = None, prefetch: bool = True, dequantize: bool = True
+    ) -> Iterator[dict]:
         """The samples of the named shards, as `sample()` gives them, one shard read at a time
         (whole, checked; the next prefetched): in shard order and sample order within a shard,
         or with `seed` (an int >= 0) shuffled within each shard, the same way for a given
         (seed, shard) whichever worker reads it. The tensors are views into the shard's
-        buffers: copy (or collate) samples you keep past the shard."""
-        for shard in self._stream(list(shard_names), prefetch, decode=True):
+        buffers: copy (or collate) samples you keep past the shard. With `dequantize=False`
+        an int8 store's samples keep `aux`/`final` int8 plus `aux_scale`/`final_scale` float32
+        (storage.states.decode_batch makes them bf16, wherever they are then); a bf16 store's
+        are bf16 either way."""
+        for shard in self._stream(list(shard_names), prefetch, decode=dequantize):
             ids, off = shard["sample_ids"], shard["offsets"]
             input_ids = torch.from_numpy(shard["input_ids"].astype(np.int64))
             loss_mask = torch.from_numpy(shard["loss_mask"].astype(np.int64))
-            aux, final = shard["aux"], shard["final"]
+            states = {k: shard[k] for k in STATE_ARRAYS[self.state_dtype] if k in shard}
             for k in sample_order(len(ids), shard["shard"], seed):
                 a, b = int(off[k]), int(off[k + 1])
                 yield {
                     "id": ids[k],
                     "input_ids": input_ids[a:b],
                     "loss_mask": loss_mask[a:b],
-                    "aux": aux[a:b],
-                    "final": final[a:b],
+                    **{key: v[a:b] for key, v in states.items()},
                 }
-            del shard, input_ids, loss_mask, aux, final  # before the stream reads ahead again
+            del shard, input_ids, loss_mask, states  # before the stream reads ahead again

@@ -76,26 +76,55 @@ def quantize_int8(x: Any, groups: int, q_out: np.ndarray, s_out: np.ndarray) -> 
             s_view[a:b].copy_(s)
 
 
-def dequantize_int8(q: np.ndarray, s: np.ndarray):
-    """int8 [T, G*H] and float32 scales [T, G] -> a torch bfloat16 tensor [T, G*H]: q * s in
-    float32, rounded once to bf16. A block of rows at a time through one float32 buffer the
-    size of a cache (int8 -> float32 copy, in-place multiply, copy to bf16: ~6x faster on a
-    CPU core than one mixed-dtype multiply, the same values)."""
+def dequantize(q: Any, s: Any):
+    """int8 q [..., G*H] and float32 scales s [..., G] (torch tensors on one device, any
+    leading dims, e.g. a batch's [B, T]) -> a bfloat16 tensor [..., G*H] on that device:
+    q * s in float32, rounded once to bf16. The one dequantisation: the CPU reader's and the
+    training device's (right after the host-to-device copy, storage.states.decode_batch),
+    so they agree bit for bit (an int8 -> float32 copy is exact, a float32 multiply and the
+    round to bf16 are correctly rounded on any device). A block of rows at a time through one
+    float32 buffer (a CPU's cache, a few MB; a GPU's, 64 MB: fewer, larger kernels): int8 ->
+    float32 copy, in-place multiply, copy to bf16 is ~6x faster on a CPU core than one
+    mixed-dtype multiply, and bounds the device's float32 working memory at any batch size."""
     import torch
 
-    t, width = q.shape
-    groups = s.shape[1]
+    lead, width, groups = q.shape[:-1], q.shape[-1], s.shape[-1]
+    if s.shape[:-1] != lead or width % groups:
+        raise ValueError(f"int8 states {tuple(q.shape)} and scales {tuple(s.shape)} do not match")
     h = width // groups
-    out = torch.empty((t, width), dtype=torch.bfloat16)
-    qt, st = torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(s))
-    step = _block_rows(width, _CPU_BLOCK_BYTES)
-    buf = torch.empty((min(t, step), groups, h), dtype=torch.float32)
+    qt, st = q.reshape(-1, width), s.reshape(-1, groups)
+    t = qt.shape[0]
+    out = torch.empty((t, width), dtype=torch.bfloat16, device=q.device)
+    step = _block_rows(width, _CPU_BLOCK_BYTES if q.device.type == "cpu" else _GPU_BLOCK_BYTES)
+    buf = torch.empty((min(t, step), groups, h), dtype=torch.float32, device=q.device)
     for a in range(0, t, step):
         b = min(t, a + step)
         work = buf[: b - a]
         work.copy_(qt[a:b].view(b - a, groups, h))
         work.mul_(st[a:b, :, None])
         out[a:b].view(b - a, groups, h).copy_(work)
+    return out.reshape(*lead, width)
+
+
+def dequantize_int8(q: np.ndarray, s: np.ndarray):
+    """int8 [T, G*H] and float32 scales [T, G] (numpy) -> a torch bfloat16 tensor [T, G*H]
+    on the CPU (`dequantize`)."""
+    import torch
+
+    return dequantize(torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(s)))
+
+
+def decode_batch(batch: dict) -> dict:
+    """A batch (or sample) whose states are still as an int8 store holds them (`aux`,
+    `final` int8 with `aux_scale`, `final_scale` float32, e.g. `StoreReader.iter_samples(...,
+    dequantize=False)` batched) with `aux`/`final` dequantised to bf16 where the tensors are
+    (on the training device after the copy) and the scales dropped; a batch of bf16 states
+    as it is."""
+    if not any(key in batch for key in SCALES.values()):
+        return batch
+    out = {k: v for k, v in batch.items() if k not in SCALES.values()}
+    for key, scale in SCALES.items():
+        out[key] = dequantize(batch[key], batch[scale])
     return out
 
 
@@ -135,11 +164,24 @@ def encode_states(states: Sequence, state_dtype: str) -> dict[str, np.ndarray]:
 def decode_states(arrays: dict, state_dtype: str) -> tuple:
     """(aux, final) torch bfloat16 tensors from a shard's (or sample's) state arrays: bf16
     bits reinterpreted (no copy), int8 dequantised on the CPU."""
+    states = states_as_tensors(arrays, state_dtype, dequantize=True)
+    return states["aux"], states["final"]
+
+
+def states_as_tensors(arrays: dict, state_dtype: str, dequantize: bool = True) -> dict:
+    """A shard's (or sample's) state arrays as torch tensors on the CPU: bf16 bits
+    reinterpreted as `aux`/`final` bf16 (no copy); int8 dequantised to them on the CPU, or
+    with `dequantize=False` kept as stored (`aux`, `final` int8 and `aux_scale`,
+    `final_scale` float32, views), for `decode_batch` on the training device."""
+    import torch
+
     from storage.zarr_io import from_bf16_bits
 
-    if state_dtype == "int8":
-        return tuple(dequantize_int8(arrays[key], arrays[SCALES[key]]) for key in ("aux", "final"))
-    return from_bf16_bits(arrays["aux"]), from_bf16_bits(arrays["final"])
+    if state_dtype != "int8":
+        return {"aux": from_bf16_bits(arrays["aux"]), "final": from_bf16_bits(arrays["final"])}
+    if dequantize:
+        return {key: dequantize_int8(arrays[key], arrays[SCALES[key]]) for key in SCALES}
+    return {key: torch.from_numpy(arrays[key]) for key in STATE_ARRAYS["int8"]}
 
 
 def state_shapes(state_dtype: str, tokens: int, n_aux: int, hidden_size: int) -> dict[str, tuple]:

@@ -14,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+import storage.states
 from storage.reader import StoreReader
-from storage.states import dequantize_int8, encode_states, quantize_int8
+from storage.states import decode_batch, dequantize, dequantize_int8, encode_states, quantize_int8
 from storage.store import HiddenStateStore, ProvenanceMismatch, ShardData, StoreError
 from storage.verify import verify
 from tests.test_capture import cfg_for, corpus, ray_local, run_dir_with_corpus  # noqa: F401 (fixtures)
@@ -85,6 +86,39 @@ def test_quantiser_equals_the_reference_and_stays_within_half_a_step(case):
     assert (np.abs(x - got) <= limit).all()
     zero = ~x.any(axis=1)
     assert (got[zero] == 0).all() and not np.isnan(got).any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 3),
+    st.integers(1, 5),
+    st.sampled_from([1, 2, 4]),
+    st.sampled_from([64, 200, 1 << 20]),
+    st.integers(0, 2**31 - 1),
+)
+def test_dequantize_of_any_shape_and_block_equals_the_plain_product_bit_for_bit(b, t, groups, block_bytes, seed):
+    """`dequantize` (the one the CPU reader and the training device run) on a batch's
+    [B, T, G*H] against the obvious q * s in float32 rounded to bf16, and the reader's numpy
+    entry point against it, whatever the block the rows are worked through (64 B: one row a
+    block)."""
+    rng = np.random.default_rng(seed)
+    h = 6
+    q = rng.integers(-127, 128, (b, t, groups * h), dtype=np.int8)
+    s = (rng.standard_normal((b, t, groups)) * 10.0 ** rng.integers(-30, 30, (b, t, groups))).astype(np.float32)
+    s.flat[::3] = 0  # all-zero slices (padding)
+    want = (torch.from_numpy(q).float() * torch.from_numpy(np.repeat(s, h, axis=-1))).bfloat16()
+    saved = storage.states._CPU_BLOCK_BYTES
+    storage.states._CPU_BLOCK_BYTES = block_bytes
+    try:
+        got = dequantize(torch.from_numpy(q), torch.from_numpy(s))
+        flat = dequantize_int8(q.reshape(b * t, -1), s.reshape(b * t, -1))
+    finally:
+        storage.states._CPU_BLOCK_BYTES = saved
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # bits (signed zeros, infs too)
+    assert torch.equal(flat.view(torch.int16), want.reshape(b * t, -1).view(torch.int16))
+    with pytest.raises(ValueError, match="do not match"):
+        dequantize(torch.from_numpy(q), torch.from_numpy(s[:, :0]))
 
 
 def test_all_zero_slices_come_back_as_zeros_and_nonfinite_values_mark_their_scale():
@@ -309,9 +343,16 @@ def test_int8_capture_of_the_tiny_target_matches_hf_within_the_bound(tiny_target
         a, b = raw["offsets"][k], raw["offsets"][k + 1]
         assert_within_bound(got["aux"], aux[0], raw["aux_scale"][a:b], slack=1e-5)
         assert_within_bound(got["final"], final[0], raw["final_scale"][a:b], slack=1e-5)
-    # The train path reads it as it reads a bf16 store: bf16 batches.
+    # The train path batches it as stored (int8 + scales) and dequantises after the copy to
+    # its device (workflows.train.data.to_device): the reader's bf16.
     batch = next(iter(eval_batches(reader, reader.shard_names("train"), batch_size=4, max_seq_len=4096, pad_id=0)))
-    assert batch["aux"].dtype == batch["final"].dtype == torch.bfloat16
+    assert batch["aux"].dtype == batch["final"].dtype == torch.int8 and batch["aux_scale"].dtype == torch.float32
+    first = [reader.sample(sid) for sid in reader.store.shard_attrs(reader.shard_names("train")[0])["sample_ids"][:4]]
+    decoded = decode_batch(batch)
+    assert decoded["aux"].dtype == torch.bfloat16 and "aux_scale" not in decoded
+    for row, one in enumerate(first):
+        n = len(one["input_ids"])
+        assert torch.equal(decoded["aux"][row, :n], one["aux"]) and torch.equal(decoded["final"][row, :n], one["final"])
     # About half the bytes (0.536 at H 64, see test_int8_bytes_per_token_are_about_half): the
     # arrays, and their data files (which add each Zarr shard's index and padding).
     stores = {s: HiddenStateStore(str(d / "store")) for s, d in dirs.items()}

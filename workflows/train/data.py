@@ -14,6 +14,11 @@ taken in it), is all a checkpoint needs to continue the same stream; the stream 
 (epochs follow one another), so every worker always has a next batch and the workers'
 collective calls stay in step. A background thread keeps `prefetch` batches ready, so the
 step does not wait on storage.
+
+States stay as the store holds them through batching: from an int8 store, int8 `aux`/`final`
+with their float32 scales (padded and packed alike), so half the bytes are pinned and cross
+to the device; `to_device` dequantises them there, right after the copy (on a CPU-only run
+the CPU), the same bf16 values as the CPU reader's (storage.states.dequantize).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Iterator
 
 from eagle3.target_features import collate_samples, pack_samples
 from storage.reader import sample_order
+from storage.states import decode_batch
 from workflows.core.errors import InputError
 
 
@@ -94,7 +100,8 @@ class SamplesInMemory:
         self.shards, self.url = shards, url
         self.skipped: dict[str, str] = {}  # nothing to skip: no file behind these samples
 
-    def iter_samples(self, names: list[str], seed: int | None = None) -> Iterator[dict]:
+    def iter_samples(self, names: list[str], seed: int | None = None, dequantize: bool = True) -> Iterator[dict]:
+        # `dequantize`: StoreReader's; these states are bf16 already.
         for name in names:
             samples = self.shards[name]
             for k in sample_order(len(samples), name, seed):
@@ -133,7 +140,7 @@ class BatchStream:
         names, stride = my_shards(self.shards, self.seed, epoch, self.rank, self.world)
         rng = random.Random(f"batches:{self.seed}:{epoch}:{self.rank}")
         window: list[dict] = []
-        for k, sample in enumerate(self.reader.iter_samples(names, seed=hash_seed(self.seed, epoch))):
+        for k, sample in enumerate(self.reader.iter_samples(names, seed=hash_seed(self.seed, epoch), dequantize=False)):
             if stride and k % self.world != self.rank:
                 continue
             window.append(sample)
@@ -190,6 +197,12 @@ class BatchStream:
         self._stop.set()
 
 
+def to_device(batch: dict, device, non_blocking: bool = False) -> dict:
+    """A batch of `BatchStream` or `eval_batches` on `device`, ready for the step: copied as
+    stored (int8 states with their scales where the store is int8), then dequantised there."""
+    return decode_batch({k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()})
+
+
 def hash_seed(seed: int, epoch: int) -> int:
     """One integer seed per (train seed, epoch) for the within-shard shuffle."""
     return (seed * 1_000_003 + epoch) % (2**31)
@@ -200,9 +213,9 @@ def eval_batches(
 ) -> Iterator[dict]:
     """Held-out batches: one sample per row (so per-sample figures are per row), in store
     order; the first `max_samples` samples only (None: all), so that an evaluation every
-    `eval_every` steps costs the same at any corpus size."""
+    `eval_every` steps costs the same at any corpus size. States as stored (`to_device`)."""
     group: list[dict] = []
-    samples = reader.iter_samples(shards)
+    samples = reader.iter_samples(shards, dequantize=False)
     if max_samples is not None:
         samples = itertools.islice(samples, max_samples)
     for sample in samples:

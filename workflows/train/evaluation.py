@@ -14,6 +14,7 @@ import torch
 from eagle3.metrics import acceptance
 from eagle3.training import autocast_for, forward_batch
 from eagle3.ttt import step_weights
+from workflows.train.data import to_device
 
 
 def bucket_names(edges: list[int]) -> list[str]:
@@ -44,7 +45,7 @@ def evaluate_heldout(draft, head, batches, loop_cfg, edges: list[int], device) -
     pos_counts = torch.zeros(len(names), length, dtype=torch.float64)
     total, by_prompt, loss_sum, n_batches, n_samples = None, {}, 0.0, 0, 0
     for batch in batches:
-        batch = {k: v.to(device) for k, v in batch.items()}
+        batch = to_device(batch, device)
         with autocast_for(loop_cfg.compute_dtype, device):
             s = forward_batch(draft, head, batch, loop_cfg.ttt, train=False, objective=loop_cfg.objective)
         loss_sum += float(s.loss)

@@ -34,7 +34,7 @@ from workflows.core.log import log
 from workflows.core.markers import atomic_dir, write_json_atomic
 from workflows.core.target_weights import read_embeddings, read_head_and_norm, read_target_head
 from workflows.train import checkpoint as ckpt
-from workflows.train.data import BatchSettings, BatchStream, StreamPosition, eval_batches
+from workflows.train.data import BatchSettings, BatchStream, StreamPosition, eval_batches, to_device
 from workflows.train.evaluation import evaluate_heldout
 from workflows.train.tracking import Tracker
 
@@ -225,10 +225,8 @@ class Trainer:
         tracker = Tracker(self.cfg, self.layout.stage_dir("train"), resume_step=start) if self.rank == 0 else None
 
         def next_batches() -> list[dict]:
-            return [
-                {k: v.to(self.device, non_blocking=True) for k, v in next(stream).items()}
-                for _ in range(train.grad_accum)
-            ]
+            # int8 states cross as stored and are dequantised on the device (data.to_device)
+            return [to_device(next(stream), self.device, non_blocking=True) for _ in range(train.grad_accum)]
 
         hooks = LoopHooks(
             evaluate=self._evaluate_on_rank0,
