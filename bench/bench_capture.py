@@ -1,7 +1,7 @@
 """Capture throughput vs the same engine's bare forward on the same batches, in one run.
 
     python -m bench.bench_capture [--backend hf|sglang] [--final-state auto|runner|tail] [--target PATH]
-        [--samples 64] [--length 256] [--device cpu|cuda]
+        [--samples 64] [--length 256] [--device cpu|cuda] [--state-dtype bfloat16 [int8]]
 
 HF: the bare forward is the target's plain `model(...)` over the capture engine's own
 micro-batches. SGLang: the same sequences as a plain prefill through the capture worker's
@@ -12,6 +12,11 @@ The capture adds the state capture, the bf16 conversion and the Zarr writes, whi
 `capture_and_write` overlaps with the next shard's compute. Prints both
 tokens/s and the ratio capture/bare (aim >= 0.90). Default target: the `tiny` preset
 (prepared into .cache on first use); pass --target for a bigger checkpoint.
+
+`--state-dtype bfloat16 int8` captures the same shards once per scheme (`capture.state_dtype`:
+int8 quantised where the engine left the states, storage.states), interleaved with the bare
+forward and each scheme first in turn, and adds each scheme's tokens/s and
+`int8_over_bfloat16` (issue 28's aim: >= 0.95).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -38,6 +44,7 @@ def main() -> None:
     ap.add_argument("--backend", choices=["hf", "sglang"], default="hf")
     ap.add_argument("--final-state", choices=["auto", "runner", "tail"], default="auto", help="sglang only")
     ap.add_argument("--device", default="cpu", help="cuda: the HF model on the GPU, SGLang's GPU settings")
+    ap.add_argument("--state-dtype", nargs="+", default=["bfloat16"], choices=["bfloat16", "int8"])
     args = ap.parse_args()
     target = Path(args.target) if args.target else tiny_target()
     print(
@@ -53,6 +60,7 @@ def main() -> None:
             shard_samples=args.shard_samples,
             backend=args.backend,
             final_state=args.final_state,
+            state_dtypes=args.state_dtype,
         )
     )
 
@@ -69,8 +77,10 @@ def measure(
     shard_samples: int = 16,
     backend: str = "hf",
     final_state: str = "auto",
+    state_dtypes: Sequence[str] = ("bfloat16",),
 ) -> dict:
-    """Capture into a store and the bare forward, interleaved `repeats` times: the best of each."""
+    """Capture into a store (once per scheme in `state_dtypes`) and the bare forward,
+    interleaved `repeats` times: the best of each."""
     from storage.store import HiddenStateStore
     from workflows.capture.writer import ShardPlan, capture_and_write
     from workflows.core.engine_spec import EngineSpec
@@ -105,26 +115,37 @@ def measure(
     ]
     tokens = sum(len(s) for s in seqs)
     engine.bare_forward(seqs[:shard_samples])  # warm-up (and SGLang's engine start)
-    prov = {"hidden_size": hidden, "capture_layer_ids": ids, "final_is_normed": True, "target": {}}
-    bare_s, cap_s = [], []
+    bare_s, cap_s = [], {s: [] for s in state_dtypes}
     tmp = Path(tempfile.mkdtemp(prefix="bench_capture_"))
     try:
-        for r in range(repeats):  # interleaved, so machine noise hits both alike
+        for r in range(repeats):  # interleaved, so machine noise hits all alike
             t = time.perf_counter()
             for p in plans:
                 engine.bare_forward(p.input_ids)
             if device == "cuda":  # the bare forward queues kernels; the capture's copies wait for them
                 torch.cuda.synchronize()
             bare_s.append(time.perf_counter() - t)
-            store = HiddenStateStore.create_or_open(str(tmp / f"store{r}"), prov)
-            t = time.perf_counter()
-            rows = capture_and_write(engine, store, plans, chunk_bytes=1 << 20)
-            store.commit(rows)
-            cap_s.append(time.perf_counter() - t)
+            for scheme in state_dtypes[r % len(state_dtypes) :] + state_dtypes[: r % len(state_dtypes)]:
+                prov = {
+                    "hidden_size": hidden,
+                    "capture_layer_ids": ids,
+                    "final_is_normed": True,
+                    "target": {},
+                    "state_dtype": scheme,
+                }
+                store = HiddenStateStore.create_or_open(str(tmp / f"store{r}-{scheme}"), prov)
+                t = time.perf_counter()
+                rows = capture_and_write(engine, store, plans, chunk_bytes=1 << 20, state_dtype=scheme)
+                store.commit(rows)
+                cap_s[scheme].append(time.perf_counter() - t)
+                shutil.rmtree(tmp / f"store{r}-{scheme}", ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    bare, cap = tokens / min(bare_s), tokens / min(cap_s)
+    bare, cap = tokens / min(bare_s), tokens / min(cap_s[state_dtypes[0]])
     engine.close()
+    by_scheme = {f"capture_{s}_tok_per_s": round(tokens / min(cap_s[s])) for s in state_dtypes}
+    if {"bfloat16", "int8"} <= set(state_dtypes):
+        by_scheme["int8_over_bfloat16"] = round(min(cap_s["bfloat16"]) / min(cap_s["int8"]), 3)
     return {
         "backend": backend,
         "final_state": getattr(engine, "final_method", None),
@@ -136,6 +157,7 @@ def measure(
         "bare_forward_tok_per_s": round(bare),
         "capture_tok_per_s": round(cap),
         "ratio": round(cap / bare, 3),
+        **(by_scheme if len(state_dtypes) > 1 else {}),
         "threads": torch.get_num_threads(),
     }
 
