@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import multiprocessing
 import os
 import random
 import statistics
@@ -302,7 +303,15 @@ def main(argv=None) -> None:
         _DATA.update(fit=fit, val=val, final_is_normed=final_is_normed)
         pool, mapped = None, map(run_trial, trials)
     else:
-        pool = ProcessPoolExecutor(a.jobs, initializer=load_into_worker, initargs=(a.overrides, a.validation_fraction))
+        # Spawned, not forked: this process has run torch (greedy answers, int8 dequantised on
+        # read), and a fork of a process whose OpenMP pool has started can deadlock in the
+        # child (the int8 trials sat idle at --jobs 2 when forked).
+        pool = ProcessPoolExecutor(
+            a.jobs,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=load_into_worker,
+            initargs=(a.overrides, a.validation_fraction),
+        )
         mapped = pool.map(run_trial, trials)
     try:
         for r in mapped:

@@ -15,7 +15,7 @@ URLs (`memory://`, `s3://`, ...; compression inferred from the name). A UTF-8 by
 mark at the start of a JSON/JSONL file is accepted (editors on Windows write one).
 
 Tool turns (agentic conversations), in every layout below, become one internal form (the one
-Hugging Face chat templates take; see "tool turns" further down):
+Hugging Face chat templates take; read by `workflows/generate/tool_turns.py`):
 * OpenAI: the record's `tools` (or the dataset's `tools_field`), assistant `tool_calls` with
   `content` null or text, `tool` turns with `tool_call_id`; the older `function_call` on an
   assistant turn answered by a `function` turn.
@@ -52,7 +52,6 @@ What is fatal and what is skipped (nothing is dropped silently):
 
 from __future__ import annotations
 
-import ast
 import codecs
 import gzip
 import hashlib
@@ -62,8 +61,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
-from eagle3 import tool_calls
 from workflows.core.errors import InputError
+from workflows.generate import tool_turns
+from workflows.generate.messages import Skip, content_text, new_message
 
 SHAREGPT_ROLES = {
     "human": "user",
@@ -95,12 +95,6 @@ FORMAT_FIELD = {"sharegpt": "conversations", "openai": "messages", "prompts": "p
 
 class IngestError(InputError):
     """Fatal bad input; the message names the file and line or row."""
-
-
-class Skip(Exception):
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(reason)
-        self.reason, self.detail = reason, detail
 
 
 def hash_fraction(text: str) -> float:
@@ -196,30 +190,6 @@ def iter_records(path: str, file_type: str = "auto") -> Iterator[tuple[str, Any]
 # ----------------------------------------------------------------------------- normalising
 
 
-TEXT_PART_TYPES = {"text", "input_text"}  # the part types SGLang keeps as text
-PART_SEPARATOR = " "  # SGLang 0.5.23 joins the text parts of a list content with one space
-
-
-def _content_text(content: Any, where: str) -> tuple[str, int]:
-    """(text, number of non-text parts dropped) of one turn's content: a string, or an
-    OpenAI list of parts whose text parts are joined with PART_SEPARATOR."""
-    if isinstance(content, str):
-        return content, 0
-    if not isinstance(content, list):
-        raise Skip("missing_role_or_content", where)
-    texts, dropped = [], 0
-    for part in content:
-        if isinstance(part, dict) and part.get("type") in TEXT_PART_TYPES:
-            if not isinstance(part.get("text"), str):
-                raise Skip("missing_role_or_content", f"{where}: a text part without a string 'text'")
-            texts.append(part["text"])
-        else:
-            dropped += 1  # image_url, input_audio, file, ...: nothing a text target can read
-    if not texts:
-        raise Skip("missing_role_or_content", f"{where}: no text part")
-    return PART_SEPARATOR.join(texts), dropped
-
-
 def _turns(items, role_key, text_key, roles, allow_parts=False) -> tuple[list[dict], int]:
     """Messages of a conversation and the number of non-text parts dropped from it
     (content lists only when `allow_parts`, i.e. the OpenAI format)."""
@@ -235,23 +205,23 @@ def _turns(items, role_key, text_key, roles, allow_parts=False) -> tuple[list[di
             raise Skip("unknown_role", f"turn {k}: {turn[role_key]!r}")
         where = f"turn {k}"
         if role == "assistant" and allow_parts:
-            message, n = _openai_assistant(turn, where)
+            message, n = tool_turns.openai_assistant(turn, where)
         elif role == "tool" and allow_parts:
-            message, n = _openai_tool(turn, where), 0
+            message, n = tool_turns.openai_tool(turn, where), 0
         else:
             value = turn.get(text_key)
             if not isinstance(value, (str, list) if allow_parts else str):
                 raise Skip("missing_role_or_content", where)
-            text, n = _content_text(value, where)
+            text, n = content_text(value, where)
             if given == "function_call":  # ShareGPT: the value is the call, as JSON
-                message = _message("assistant", "", tool_calls=_json_calls(text, where))
+                message = new_message("assistant", "", tool_calls=tool_turns.json_calls(text, where))
             elif role == "assistant" and not allow_parts:
-                message = _sharegpt_assistant(text, where)
+                message = tool_turns.sharegpt_assistant(text, where)
             elif role == "tool" and not allow_parts:
-                out += [_message("tool", r) for r in _tool_responses(text)]
+                out += [new_message("tool", r) for r in tool_turns.tool_results(text)]
                 continue
             else:
-                message = _message(role, text)
+                message = new_message(role, text)
         dropped += n
         if isinstance(turn.get("reasoning_content"), str) and turn["reasoning_content"]:
             message["reasoning_content"] = turn["reasoning_content"]
@@ -262,12 +232,6 @@ def _turns(items, role_key, text_key, roles, allow_parts=False) -> tuple[list[di
     return out, dropped
 
 
-def _message(role: str, content: str, **extra) -> dict:
-    """A normalised message: role, content, reasoning_content, and the tool fields only
-    where the turn has them (a conversation without tools is stored as it always was)."""
-    return {"role": role, "content": content, "reasoning_content": None, **{k: v for k, v in extra.items() if v}}
-
-
 def _merges(previous: dict, message: dict) -> bool:
     return (
         previous["role"] == "assistant"
@@ -276,157 +240,6 @@ def _merges(previous: dict, message: dict) -> bool:
         and bool(message.get("tool_calls"))
         and not message["content"]
     )
-
-
-# ----------------------------------------------------------------------------- tool turns
-#
-# One internal form for every layout, the one Hugging Face chat templates take, so that the
-# target's own template writes the calls and results as it does when served:
-# * an assistant message may carry `tool_calls`: [{"type": "function", "function":
-#   {"name": str, "arguments": dict}, "id"?: str}] (arguments given as a JSON string are parsed);
-# * a `tool` message holds one result as text, with `tool_call_id` and/or `name` when given;
-# * the record's `tools` (field `tools_field`): a list of {"type": "function", "function":
-#   {name, description?, parameters?}}, given as a list or as a JSON string.
-# Calls written inside an assistant's text (Hermes `<tool_call>` blocks, whose payload is
-# JSON or a Python dict literal, and glaive's `<functioncall> {...}`) are read out of the
-# text into `tool_calls`; a tool result wrapped in Hermes `<tool_response>` blocks is
-# unwrapped (one message per block): the target's template adds its own markup.
-
-
-def _call(obj: Any, where: str) -> dict:
-    """One call in the internal form from an OpenAI `tool_calls` item, an older
-    `function_call`, or a bare {"name", "arguments"} object."""
-    if not isinstance(obj, dict):
-        raise Skip("bad_tool_call", f"{where}: a tool call must be an object")
-    fn = obj.get("function", obj)
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
-        raise Skip("bad_tool_call", f"{where}: a tool call without a function name")
-    args = fn.get("arguments", fn.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise Skip("bad_tool_arguments", f"{where}: arguments of {fn['name']!r} are not JSON ({exc.msg})") from None
-    if args is None:
-        args = {}
-    if not isinstance(args, dict):
-        raise Skip("bad_tool_arguments", f"{where}: arguments of {fn['name']!r} are not a JSON object")
-    out = tool_calls.call(fn["name"], args)
-    if isinstance(obj.get("id"), str) and obj["id"]:
-        out["id"] = obj["id"]
-    return out
-
-
-def _json_calls(text: str, where: str) -> list[dict]:
-    """A ShareGPT `function_call` value: one call object, or a list of them, as JSON."""
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:
-        raise Skip("bad_tool_call", f"{where}: a function_call turn whose value is not JSON") from None
-    objs = obj if isinstance(obj, list) else [obj]
-    if not objs:
-        raise Skip("bad_tool_call", f"{where}: a function_call turn with no call")
-    return [_call(o, where) for o in objs]
-
-
-def _literal(payload: str) -> Any:
-    """A call written in a text: JSON, else a Python literal (Hermes' sets write dicts with
-    single quotes); literal_eval evaluates no code."""
-    try:
-        return json.loads(payload)
-    except json.JSONDecodeError:
-        return ast.literal_eval(payload)
-
-
-GLAIVE_CALL = "<functioncall>"
-
-
-def _sharegpt_assistant(text: str, where: str) -> dict:
-    if GLAIVE_CALL in text:
-        before, _, payload = text.partition(GLAIVE_CALL)
-        payload = payload.strip().removesuffix("<|endoftext|>").strip()
-        try:
-            return _message("assistant", before.rstrip(), tool_calls=[_call(_literal(payload), where)])
-        except (ValueError, SyntaxError):
-            raise Skip("bad_tool_call", f"{where}: an unreadable {GLAIVE_CALL} call") from None
-    try:
-        before, payloads = tool_calls.tagged_blocks(text, tool_calls.HERMES_OPEN, tool_calls.HERMES_CLOSE)
-        objs = [_literal(p.strip()) for p in payloads]
-    except (tool_calls.ToolCallSyntaxError, ValueError, SyntaxError) as exc:
-        raise Skip("bad_tool_call", f"{where}: an unreadable <tool_call> block ({exc})") from None
-    if not objs:
-        return _message("assistant", text)
-    return _message("assistant", before.rstrip(), tool_calls=[_call(o, where) for o in objs])
-
-
-def _tool_responses(text: str) -> list[str]:
-    """A tool turn's results: the payloads of its `<tool_response>` blocks when the text is
-    made of them, else the text as one result."""
-    try:
-        before, payloads = tool_calls.tagged_blocks(text, "<tool_response>", "</tool_response>")
-    except tool_calls.ToolCallSyntaxError:
-        return [text]
-    if not payloads or before.strip():
-        return [text]
-    return [p.strip() for p in payloads]
-
-
-def _openai_assistant(turn: dict, where: str) -> tuple[dict, int]:
-    content = turn.get("content")
-    calls = turn.get("tool_calls")
-    if calls is None and turn.get("function_call") is not None:
-        calls = [turn["function_call"]]
-    if calls is not None and not isinstance(calls, list):
-        raise Skip("bad_tool_call", f"{where}: tool_calls must be a list")
-    parsed = [_call(c, f"{where} call {j}") for j, c in enumerate(calls or [])]
-    if content is None and parsed:  # OpenAI writes null content beside the calls
-        return _message("assistant", "", tool_calls=parsed), 0
-    if not isinstance(content, (str, list)):
-        raise Skip("missing_role_or_content", where)
-    if isinstance(content, list) and not content and parsed:
-        return _message("assistant", "", tool_calls=parsed), 0
-    text, n = _content_text(content, where)
-    return _message("assistant", text, tool_calls=parsed), n
-
-
-def _openai_tool(turn: dict, where: str) -> dict:
-    content = turn.get("content")
-    if isinstance(content, (dict, list)) and not (
-        isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PART_TYPES for p in content)
-    ):
-        content = json.dumps(content, ensure_ascii=False)  # a structured result: its JSON text
-    if not isinstance(content, (str, list)):
-        raise Skip("missing_role_or_content", where)
-    text, _ = _content_text(content, where)
-    ids = {k: turn[k] for k in ("tool_call_id", "name") if isinstance(turn.get(k), str) and turn[k]}
-    return _message("tool", text, **ids)
-
-
-def _tools(value: Any, location: str) -> list[dict] | None:
-    """The record's tool definitions in the internal form; None when it has none."""
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise Skip("bad_tools", f"the tool list is not JSON ({exc.msg})") from None
-    if isinstance(value, dict):
-        value = [value]
-    if not isinstance(value, list):
-        raise Skip("bad_tools", "the tool list must be a list of function definitions")
-    out = []
-    for j, tool in enumerate(value):
-        fn = tool.get("function", tool) if isinstance(tool, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"].strip():
-            raise Skip("bad_tools", f"tool {j}: a function definition needs a 'name'")
-        if isinstance(fn.get("parameters"), str):  # some sets store the schema as a JSON string
-            try:
-                fn = {**fn, "parameters": json.loads(fn["parameters"])}
-            except json.JSONDecodeError:
-                raise Skip("bad_tools", f"tool {j}: parameters are not JSON") from None
-        out.append({"type": "function", "function": fn})
-    return out or None
 
 
 def _check_order(body: list[dict]) -> None:
@@ -482,7 +295,7 @@ def normalise(
         messages = [{"role": "user", "content": record[key], "reasoning_content": None}]
         if isinstance(record.get("system"), str) and record["system"].strip():
             messages.insert(0, {"role": "system", "content": record["system"], "reasoning_content": None})
-    tools = _tools(record.get(tools_field), location)
+    tools = tool_turns.tool_list(record.get(tools_field), location)
     for k, m in enumerate(messages):
         for name in ("content", "reasoning_content"):
             if m[name] is not None and not _encodable(m[name]):
