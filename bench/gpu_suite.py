@@ -225,8 +225,6 @@ def time_steps(step, device: torch.device, steps: int) -> dict:
 
 def deepspeed_vs_plain(plan: Plan) -> dict:
     """DeepSpeedStep and PlainOptimizer from the same weights over the same batches."""
-    from types import SimpleNamespace
-
     import torch.distributed as dist
 
     from bench.bench_train_gpu import draft_config, random_batch
@@ -275,11 +273,7 @@ def deepspeed_vs_plain(plan: Plan) -> dict:
         for name in ("plain", "deepspeed"):
             torch.manual_seed(0)
             draft = Eagle3Draft(cfg).to(dev)
-            opt = (
-                DeepSpeedStep(draft, SimpleNamespace(train=train), 1, dev)
-                if name == "deepspeed"
-                else PlainOptimizer(draft, train.optim)
-            )
+            opt = DeepSpeedStep(draft, train, 1, dev) if name == "deepspeed" else PlainOptimizer(draft, train.optim)
             g = torch.Generator(device=dev).manual_seed(0)
             losses[name] = [
                 one_step(opt, head, [b], lr_at(k, train.steps, train.optim), train, g)["loss"]

@@ -76,7 +76,7 @@ def test_evaluation_runs_in_the_serving_dtype_where_it_is_fast(monkeypatch, bf16
     monkeypatch.setattr(precision, "matmul_gflops", lambda dtype: bf16 if dtype == "bfloat16" else fp32)
     cfg = compose(overrides)  # the default target (SmolLM2) is served in bf16
     assert cfg.evaluate.dtype == next((o.split("=")[1] for o in overrides if o.startswith("evaluate.")), "auto")
-    dtype, why = evaluation_dtype(cfg)
+    dtype, why = evaluation_dtype(cfg.evaluate.dtype, cfg.target.dtype)
     assert dtype == chosen and why.startswith(reason), why
 
 
@@ -89,10 +89,10 @@ def test_evaluation_on_a_gpu_follows_the_gpu_not_this_cpu(monkeypatch):
     monkeypatch.setattr(precision, "matmul_gflops", lambda dtype: pytest.fail("probed the CPU for a GPU evaluation"))
     from workflows.evaluate import evaluation_dtype
 
-    cfg = compose([])  # SmolLM2, served in bf16
+    serving = compose([]).target.dtype  # SmolLM2, served in bf16
 
-    assert evaluation_dtype(cfg, "cuda") == ("bfloat16", "the serving dtype, on the GPU")
-    assert evaluation_dtype(compose(["evaluate.dtype=float32"]), "cuda")[0] == "float32"
+    assert evaluation_dtype("auto", serving, "cuda") == ("bfloat16", "the serving dtype, on the GPU")
+    assert evaluation_dtype(compose(["evaluate.dtype=float32"]).evaluate.dtype, serving, "cuda")[0] == "float32"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert evaluation_device("auto") == "cuda" and evaluation_device("cpu") == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -46,10 +46,12 @@ def test_the_training_dtype_follows_the_workers_device(monkeypatch, overrides, b
 
     monkeypatch.setattr(precision, "matmul_gflops", gflops)
     cfg = compose(["target=tiny", *overrides])
-    assert training_dtype(cfg, backend) == chosen
+    assert training_dtype(cfg.train, backend) == chosen
     assert bool(probed) == (chosen == "float32"), "a CUDA run must not probe the driver's CPU"
     # An explicit dtype is kept on every device.
-    assert training_dtype(compose(["target=tiny", "train.compute_dtype=float32", *overrides]), backend) == "float32"
+    assert (
+        training_dtype(compose(["target=tiny", "train.compute_dtype=float32", *overrides]).train, backend) == "float32"
+    )
 
 
 def test_cuda_auto_is_bf16_on_a_driver_without_a_gpu(monkeypatch):

@@ -257,7 +257,7 @@ def _capture_with_ray(
     engine = {
         "target_path": str(target_path),
         "capture_ids": cfg.target.capture_ids,
-        "dtype": engine_dtype(cfg),
+        "dtype": engine_dtype(cfg.capture),
         "micro_batch_tokens": c.micro_batch_tokens,
         "trust_remote_code": cfg.target.trust_remote_code,
         "threads": max(1, int(c.cpus_per_actor)),

@@ -72,6 +72,6 @@ def matmul_gflops(dtype: str) -> float:
     return 2 * _SIZE**3 / best / 1e9
 
 
-def engine_dtype(cfg) -> str:
-    """The capture engines' dtype (capture.dtype resolved on their device)."""
-    return resolve(cfg.capture.dtype, "cuda" if cfg.capture.gpus_per_actor else "cpu")
+def engine_dtype(capture) -> str:
+    """The capture engines' dtype: `capture.dtype` (the capture section) resolved on their device."""
+    return resolve(capture.dtype, "cuda" if capture.gpus_per_actor else "cpu")

@@ -226,7 +226,7 @@ def capture_contract(cfg, identity: Mapping) -> dict:
         "tokenizer_sha256": identity["tokenizer_sha256"],
         "chat_template_sha256": identity["chat_template_sha256"],
         "backend": cfg.capture.backend,
-        "engine_dtype": engine_dtype(cfg),
+        "engine_dtype": engine_dtype(cfg.capture),
     }
     assert tuple(contract) == CAPTURE_CONTRACT
     return contract

@@ -115,13 +115,12 @@ def evaluation_device(setting: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def evaluation_dtype(cfg: FullConfig, device: str = "cpu") -> tuple[str, str]:
-    """(dtype the evaluation runs in, why): evaluate.dtype, or for auto the serving dtype
-    on a GPU, and on a CPU where it computes it fast (workflows.core.precision), else
-    float32."""
+def evaluation_dtype(requested: str, serving: str, device: str = "cpu") -> tuple[str, str]:
+    """(dtype the evaluation runs in, why): `requested` (evaluate.dtype), or for auto the
+    serving dtype (target.dtype) on a GPU, and on a CPU where it computes it fast
+    (workflows.core.precision), else float32."""
     from workflows.core.precision import cpu_choice
 
-    serving, requested = cfg.target.dtype, cfg.evaluate.dtype
     if requested != "auto":
         return requested, f"evaluate.dtype={requested}" + (f" (serving: {serving})" if requested != serving else "")
     if serving == "float32":
@@ -159,7 +158,7 @@ def evaluate_into(cfg: FullConfig, layout: RunLayout, target_path: Path, out: Pa
     served = layout.benchmark_file
     torch.manual_seed(cfg.seed)
     device = evaluation_device(e.device)
-    dtype_name, dtype_why = evaluation_dtype(cfg, device)
+    dtype_name, dtype_why = evaluation_dtype(cfg.evaluate.dtype, cfg.target.dtype, device)
     log(f"evaluate: computing in {dtype_name} on {device}: {dtype_why}")
     dtype = getattr(torch, dtype_name)
     ids = load_draft_config(layout.require_draft()).capture_layer_ids

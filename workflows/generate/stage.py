@@ -30,7 +30,7 @@ from typing import Callable
 
 from eagle3.schema import ConfigError, output_dict
 from workflows.core.cluster import ensure_ray
-from workflows.core.config import FullConfig, resolve_data_path
+from workflows.core.config import DataSection, FullConfig, resolve_data_path
 from workflows.core.errors import USER_ERRORS, StageFailure
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
@@ -101,11 +101,11 @@ def _ingest_one(cfg: FullConfig, name: str, spec, seen: set[str]) -> tuple[list[
 # ----------------------------------------------------------------------------- shards
 
 
-def engine_device(cfg: FullConfig) -> str:
+def engine_device(data: DataSection) -> str:
     """Where each engine actor computes: the GPUs Ray gives it (data.gpus_per_engine), else
     the CPU. Decided by the config, not by this driver's machine: on a cluster the driver
     may have no GPU while the actors do."""
-    return "cuda" if cfg.data.gpus_per_engine > 0 else "cpu"
+    return "cuda" if data.gpus_per_engine > 0 else "cpu"
 
 
 def _driver_has_gpu() -> bool:
@@ -114,10 +114,10 @@ def _driver_has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def engine_count(cfg: FullConfig, pending_shards: int) -> int:
+def engine_count(data: DataSection, pending_shards: int) -> int:
     """Engines to start: data.num_engines, but never more than the shards to do (an engine
     without a shard would only load the target)."""
-    return max(1, min(cfg.data.num_engines, pending_shards))
+    return max(1, min(data.num_engines, pending_shards))
 
 
 def check_tool_rendering(cfg: FullConfig, target_path: Path, rows: list[dict]) -> None:
@@ -156,9 +156,9 @@ def regenerate_shards(
     import ray
 
     ensure_ray(cfg.cluster)
-    engines = engine_count(cfg, len(plans))
+    engines = engine_count(cfg.data, len(plans))
     threads = cfg.data.threads_per_engine or max(1, (os.cpu_count() or 1) // engines)
-    device = engine_device(cfg)
+    device = engine_device(cfg.data)
     if device == "cpu" and cfg.data.backend == "sglang" and _driver_has_gpu():
         log(
             "generate: WARNING: data.backend=sglang runs on the CPU (data.gpus_per_engine=0) although this machine "
@@ -294,7 +294,7 @@ def run(cfg: FullConfig, target_path: Path, on_commit: Callable[[int], None] | N
             + json.dumps({k: dict(v) for k, v in ingest_counts.items()}, indent=1)
         )
     data = output_dict(cfg.data)
-    data["dtype"] = resolve(cfg.data.dtype, engine_device(cfg))  # what the engines compute in here
+    data["dtype"] = resolve(cfg.data.dtype, engine_device(cfg.data))  # what the engines compute in here
     key = {
         "data": data,
         "target": identity_for(cfg, target_path),
@@ -324,7 +324,7 @@ def run(cfg: FullConfig, target_path: Path, on_commit: Callable[[int], None] | N
         log(
             f"generate: {len(rows)} conversations in {len(expected)} shards, {len(done)} already committed, "
             f"{sum(p['stop'] - p['start'] for p in plans)} conversations to regenerate "
-            f"({cfg.data.backend} x{engine_count(cfg, len(plans))})"
+            f"({cfg.data.backend} x{engine_count(cfg.data, len(plans))})"
         )
         if plans:
             check_tool_rendering(cfg, target_path, rows)

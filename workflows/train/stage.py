@@ -33,7 +33,7 @@ import torch
 
 from eagle3.schema import ConfigError, output_dict, to_dict
 from storage.store import StoreError
-from workflows.core.config import FullConfig
+from workflows.core.config import FullConfig, TrainSection
 from workflows.core.engine_spec import EngineSpec
 from workflows.core.engines import HFEngine
 from workflows.core.errors import InputError
@@ -91,19 +91,19 @@ def resume_fields(cfg: FullConfig, backend: str, store_key: str) -> dict:
     }
 
 
-def worker_device(cfg: FullConfig, backend: str) -> str:
+def worker_device(train: TrainSection, backend: str) -> str:
     """The device type the draft trains on: Ray workers hold GPUs when `gpus_per_worker > 0`,
     the local loop and online training use `train.device`."""
     if backend == "deepspeed":
-        return "cuda" if cfg.train.gpus_per_worker > 0 else "cpu"
-    return cfg.train.device
+        return "cuda" if train.gpus_per_worker > 0 else "cpu"
+    return train.device
 
 
-def training_dtype(cfg: FullConfig, backend: str) -> str:
+def training_dtype(train: TrainSection, backend: str) -> str:
     """`train.compute_dtype` settled for the device the workers train on, never by a probe
     of this driver's CPU (a CPU head node placing GPU workers would otherwise pick fp32)."""
-    device = worker_device(cfg, backend)
-    dtype = resolve(cfg.train.compute_dtype, device)
+    device = worker_device(train, backend)
+    dtype = resolve(train.compute_dtype, device)
     if dtype == "float16":  # a GPU without bf16: the draft trains in bf16 autocast or fp32 only
         log(f"train: the {device} device has no bf16; the draft trains in float32")
         return "float32"
@@ -116,7 +116,9 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     source = data_source(cfg, RunLayout.of(cfg))
     backend = backend_of(cfg, source)
     # "auto" settles here, for the workers' device; the key and the loop see the dtype really used.
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compute_dtype=training_dtype(cfg, backend)))
+    cfg = dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, compute_dtype=training_dtype(cfg.train, backend))
+    )
     layout = RunLayout.of(cfg)
     out = layout.stage_dir("train")
     _, vocab_summary = layout.read_vocab()

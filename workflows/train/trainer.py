@@ -83,8 +83,8 @@ def build_draft(cfg: FullConfig, target_path: str, vocab) -> Eagle3Draft:
 class PlainStep(PlainOptimizer):
     """The plain optimizer with its checkpoint files."""
 
-    def __init__(self, draft, cfg):
-        super().__init__(draft, cfg.train.optim)
+    def __init__(self, draft, optim):
+        super().__init__(draft, optim)
 
     def save(self, folder: Path) -> None:
         torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
@@ -99,13 +99,12 @@ class DeepSpeedStep:
 
     TAG = "deepspeed"
 
-    def __init__(self, draft, cfg, world: int, device: torch.device):
+    def __init__(self, draft, train, world: int, device: torch.device):
         import deepspeed
 
         # DeepSpeed would JIT-build its shared-memory all-reduce for CPU workers (minutes,
         # and a compiler on every node); gloo does the job. Pinned DeepSpeed: 0.19.8.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        train = cfg.train
         ds_config = {
             "train_micro_batch_size_per_gpu": train.batch_size,
             "gradient_accumulation_steps": train.grad_accum,
@@ -176,7 +175,9 @@ class Trainer:
             )
         )
         self.opt = (
-            DeepSpeedStep(draft, cfg, world, self.device) if job.backend == "deepspeed" else PlainStep(draft, cfg)
+            DeepSpeedStep(draft, cfg.train, world, self.device)
+            if job.backend == "deepspeed"
+            else PlainStep(draft, cfg.train.optim)
         )
         self.draft = self.opt.module
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed + rank)
