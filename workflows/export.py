@@ -27,8 +27,8 @@ from eagle3.layer_ids import check_sglang_servable, to_vllm_aux_layer_ids
 from workflows.core import wiring
 from workflows.core.cli import stage_main
 from workflows.core.config import FullConfig
+from workflows.core.draft_files import EXPORT_CONFIG, EXPORT_WEIGHTS, PROVENANCE, load_draft_config, load_provenance
 from workflows.core.draft_files import WEIGHTS as DRAFT_WEIGHTS
-from workflows.core.draft_files import load_draft_config, load_provenance
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
 from workflows.core.markers import atomic_dir, run_stage, write_json_atomic
@@ -38,7 +38,6 @@ SGLANG_ARCH = "LlamaForCausalLMEagle3"
 # 2: the vLLM export names its capture ids in vLLM's numbering (format 1 wrote the project's,
 # one layer off in vLLM); in the stage's key, so an export of the older format is redone.
 EXPORT_FORMAT = 2
-WEIGHTS = "model.safetensors"
 
 
 def sglang_config(draft: DraftConfig, provenance: dict, dtype: str = "bfloat16") -> dict:
@@ -100,9 +99,9 @@ def export_sglang(draft_dir: Path, out: Path, dtype: str = "bfloat16") -> Path:
     # Floating weights in the serving dtype; d2t (int64) and t2d (bool) stay as they are.
     weights = {k: (v.to(torch_dtype) if v.is_floating_point() else v).contiguous() for k, v in weights.items()}
     with atomic_dir(out) as tmp:
-        save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        write_json_atomic(tmp / "config.json", sglang_config(draft_cfg, provenance, dtype))
-        write_json_atomic(tmp / "provenance.json", provenance)
+        save_file(weights, str(tmp / EXPORT_WEIGHTS), metadata={"format": "pt"})
+        write_json_atomic(tmp / EXPORT_CONFIG, sglang_config(draft_cfg, provenance, dtype))
+        write_json_atomic(tmp / PROVENANCE, provenance)
     return out
 
 
@@ -129,7 +128,7 @@ def export_vllm(sglang_dir: Path, out: Path, target_path: Path, capture_ids: lis
             validate=True,
             eagle_aux_hidden_state_layer_ids=to_vllm_aux_layer_ids(capture_ids),
         )
-        write_json_atomic(tmp / "provenance.json", load_provenance(sglang_dir))
+        write_json_atomic(tmp / PROVENANCE, load_provenance(sglang_dir))
     return out
 
 

@@ -6,7 +6,14 @@
     provenance.json     target identity, capture ids and convention, code version, config
 
 Training checkpoints (workflows.train.checkpoint) add the optimizer and loop state to the
-same three files; a warm start reads only these.
+same three files; a warm start reads only these. An export folder (workflows.export) is
+what the serving engines read, in the Hugging Face layout:
+
+    config.json         the engine's draft config (SGLang's LlamaForCausalLMEagle3, or vLLM's)
+    model.safetensors   the same weights, under the engine's key names
+    provenance.json     as above
+
+Every reader and writer names these files through the constants below.
 """
 
 from __future__ import annotations
@@ -23,6 +30,10 @@ from eagle3.schema import ConfigError, from_dict
 from workflows.core.markers import read_json, write_json_atomic
 
 WEIGHTS = "draft.safetensors"
+CONFIG = "draft_config.json"
+PROVENANCE = "provenance.json"
+EXPORT_CONFIG = "config.json"
+EXPORT_WEIGHTS = "model.safetensors"
 FROZEN = ("embed_tokens.weight",)
 
 
@@ -33,16 +44,16 @@ def draft_state(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
 def save_draft(folder: Path, draft: Eagle3Draft, provenance: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     save_file(draft_state(draft), str(folder / WEIGHTS), metadata={"format": "pt"})
-    write_json_atomic(folder / "draft_config.json", asdict(draft.cfg))
-    write_json_atomic(folder / "provenance.json", provenance)
+    write_json_atomic(folder / CONFIG, asdict(draft.cfg))
+    write_json_atomic(folder / PROVENANCE, provenance)
 
 
 def load_draft_config(folder: Path) -> DraftConfig:
-    return from_dict(DraftConfig, read_json(folder / "draft_config.json"), "draft_config")
+    return from_dict(DraftConfig, read_json(folder / CONFIG), "draft_config")
 
 
 def load_provenance(folder: Path) -> dict:
-    return read_json(folder / "provenance.json")
+    return read_json(folder / PROVENANCE)
 
 
 def load_draft_weights(folder: Path, draft: Eagle3Draft, file: Path | None = None) -> None:

@@ -23,6 +23,7 @@ from eagle3.layer_ids import CONVENTION, from_sglang_layer_inputs, sglang_defaul
 from eagle3.schema import ConfigError
 from eagle3.vocab import target_ids_of
 from storage.store import HiddenStateStore
+from workflows.core import draft_files
 from workflows.core.layout import RunLayout
 from workflows.core.markers import read_json
 from workflows.core.provenance import identity_for
@@ -148,8 +149,8 @@ def side_from_provenance(name: str, prov: dict) -> Side:
 def side_from_draft(folder: Path) -> Side:
     from safetensors.torch import load_file
 
-    side = side_from_provenance(f"draft checkpoint ({folder})", read_json(folder / "provenance.json"))
-    cfg = read_json(folder / "draft_config.json")
+    side = side_from_provenance(f"draft checkpoint ({folder})", read_json(folder / draft_files.PROVENANCE))
+    cfg = read_json(folder / draft_files.CONFIG)
     if side.facts.get("capture_layer_ids") not in (None, cfg["capture_layer_ids"]):
         side.errors.append(
             f"{side.name}: provenance.json capture_layer_ids={side.facts['capture_layer_ids']} but "
@@ -162,7 +163,7 @@ def side_from_draft(folder: Path) -> Side:
             "target_num_layers": cfg["target_num_layers"],
         }
     )
-    w = load_file(str(folder / "draft.safetensors"))
+    w = load_file(str(folder / draft_files.WEIGHTS))
     check_vocab_map(side, w["d2t"], w["t2d"])
     flags = (cfg.get("norm_before_fc", False), cfg.get("fc_norm", False))
     side.facts["feature_norms"] = feature_norms(*flags)
@@ -203,7 +204,7 @@ def side_from_sglang_export(
     of the target's model family, or its default layers when the config names none."""
     from safetensors.torch import load_file
 
-    cfg = read_json(folder / "config.json")
+    cfg = read_json(folder / draft_files.EXPORT_CONFIG)
     side = Side(f"SGLang export ({folder})")
     ours = cfg.get("eagle3_pipeline", {})
     n = target_num_layers or ours.get("target_num_layers")
@@ -242,7 +243,7 @@ def side_from_sglang_export(
             if v is not None
         }
     )
-    w = load_file(str(folder / "model.safetensors"))
+    w = load_file(str(folder / draft_files.EXPORT_WEIGHTS))
     check_vocab_map(side, w["d2t"], w["t2d"])
     # SGLang's own reading of the flags (models/llama_eagle3.py in 0.5.23).
     flags = (
@@ -260,7 +261,7 @@ def side_from_sglang_export(
 
 
 def side_from_vllm_export(folder: Path) -> Side:
-    cfg = read_json(folder / "config.json")
+    cfg = read_json(folder / draft_files.EXPORT_CONFIG)
     side = Side(f"vLLM/speculators export ({folder})")
     indices = cfg.get("eagle_aux_hidden_state_layer_ids")
     if indices is not None:  # vLLM's numbering: index L = the input of layer L (layer_ids.to_vllm_aux_layer_ids)
@@ -330,10 +331,10 @@ def sides_for_run(cfg, target_path: Path, with_export: bool = True) -> list[Side
         store = HiddenStateStore(layout.store_url, layout.storage_options)
         if store.exists():  # its root attributes only: no shard is opened
             sides.append(side_from_store(layout.store_url, store.provenance))
-    if (layout.draft_dir / "draft.safetensors").exists():
+    if (layout.draft_dir / draft_files.WEIGHTS).exists():
         sides.append(side_from_draft(layout.draft_dir))
-    if with_export and (layout.sglang_export / "config.json").exists():
+    if with_export and (layout.sglang_export / draft_files.EXPORT_CONFIG).exists():
         sides.append(side_from_sglang_export(layout.sglang_export, cfg.target.num_layers, cfg.target.model_type))
-    if with_export and (layout.vllm_export / "config.json").exists():
+    if with_export and (layout.vllm_export / draft_files.EXPORT_CONFIG).exists():
         sides.append(side_from_vllm_export(layout.vllm_export))
     return sides

@@ -12,6 +12,7 @@ from eagle3.metrics import assistant_spans
 from eagle3.modeling import Eagle3Draft
 from eagle3.schema import to_dict
 from eagle3.target_head import TargetHead
+from workflows.core import draft_files
 from workflows.core.config import FullConfig
 from workflows.core.draft_files import load_draft_config, load_draft_weights
 from workflows.core.engine_spec import EngineSpec
@@ -60,9 +61,9 @@ def load_draft_for_eval(cfg: FullConfig, layout: RunLayout, model, dtype: torch.
     draft = Eagle3Draft(load_draft_config(folder))
     draft.load_target_embeddings(model.get_input_embeddings().weight.float())
     export = read_marker(layout.stage_dir("export")) or {}
-    source = folder / "draft.safetensors"
+    source = folder / draft_files.WEIGHTS
     if export.get("summary", {}).get("train_key") == layout.done_key("train"):
-        source = layout.sglang_export / "model.safetensors"
+        source = layout.sglang_export / draft_files.EXPORT_WEIGHTS
     elif export:
         log(f"evaluate: {layout.sglang_export} was exported from an older draft; scoring {source} instead")
     load_draft_weights(folder, draft, file=source)

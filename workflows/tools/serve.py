@@ -29,6 +29,7 @@ from pathlib import Path
 
 from eagle3.schema import ConfigError
 from workflows.core.cli import hydra_entry
+from workflows.core.draft_files import EXPORT_CONFIG
 from workflows.core.errors import MissingArtefact
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
@@ -176,9 +177,9 @@ def serve(cfg) -> None:
     s = cfg.serve
     target_path = prepare_for(cfg, log=log)
     draft = Path(s.draft_path) if s.draft_path else RunLayout.of(cfg).sglang_export
-    if not (draft / "config.json").is_file():
+    if not (draft / EXPORT_CONFIG).is_file():
         raise MissingArtefact(
-            f"{draft}/config.json: no exported draft to serve; run the export stage first "
+            f"{draft / EXPORT_CONFIG}: no exported draft to serve; run the export stage first "
             "(stages=[export]) or point serve.draft_path at an export"
         )
     effect = resolve_spec_args(*drafting_to_serve(cfg), target_architecture(target_path))

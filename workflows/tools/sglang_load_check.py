@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3.vocab import target_ids_of
+from workflows.core.draft_files import EXPORT_CONFIG, EXPORT_WEIGHTS
 
 FUSED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -64,8 +65,8 @@ def our_names(sglang_name: str) -> list[str]:
 
 
 def check(export_dir: Path) -> dict:
-    config = json.loads((export_dir / "config.json").read_text())
-    ours = load_file(str(export_dir / "model.safetensors"))
+    config = json.loads((export_dir / EXPORT_CONFIG).read_text())
+    ours = load_file(str(export_dir / EXPORT_WEIGHTS))
     model = build_sglang_draft(config)
     model.load_weights(iter(ours.items()))
     problems, checked, not_ours, used = [], [], [], {"d2t", "t2d"}

@@ -254,7 +254,7 @@ class Trainer:
             }
             with atomic_dir(self.layout.draft_dir) as tmp:
                 save_draft(tmp, self.draft, self.job.provenance)
-            write_json_atomic(self.layout.stage_dir("train") / "metrics.json", final)
+            write_json_atomic(self.layout.metrics_file, final)
             tracker.close(final)
             return final
         return None
