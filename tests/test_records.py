@@ -10,7 +10,7 @@ import pytest
 
 from workflows.core.config import compose
 from workflows.core.errors import MissingArtefact
-from workflows.core.records import ReportHeadline
+from workflows.core.records import ReportHeadline, VocabSummary
 from workflows.train.stage import job_config
 
 HEADLINE = {
@@ -42,9 +42,28 @@ def test_a_report_without_a_field_is_refused_naming_file_and_field(tmp_path):
     path = tmp_path / "report.json"
     path.write_text(json.dumps({k: v for k, v in HEADLINE.items() if k != "num_steps"}))
     with pytest.raises(
-        MissingArtefact, match=r"report\.json: the report has no field 'num_steps'.*stages=\[evaluate\]"
+        MissingArtefact,
+        match=r"report\.json: no field 'num_steps'; .*another version of the evaluate stage.*stages=\[evaluate\]",
     ):
         ReportHeadline.read(path)
+
+
+def test_the_vocab_summary_round_trips_and_an_old_one_names_the_vocab_stage(tmp_path):
+    summary = VocabSummary(
+        draft_vocab_size=8,
+        chosen="config",
+        target_vocab_size=64,
+        distinct_tokens_seen=5,
+        counted_tokens=40,
+        covered_fraction=1.0,
+        filled=3,
+    )
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps(summary.as_dict()))
+    assert VocabSummary.read(path) == summary
+    path.write_text(json.dumps({k: v for k, v in summary.as_dict().items() if k != "filled"}))
+    with pytest.raises(MissingArtefact, match=r"summary\.json: no field 'filled'; .*vocab stage.*stages=\[vocab\]"):
+        VocabSummary.read(path)
 
 
 def test_the_job_carries_no_secret_to_the_workers():

@@ -18,6 +18,7 @@ from workflows.core.errors import InputError
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
 from workflows.core.markers import atomic_dir, run_stage, write_json_atomic
+from workflows.core.records import VocabSummary
 
 
 def count_answer_tokens(samples: list[dict], vocab_size: int) -> torch.Tensor:
@@ -49,15 +50,15 @@ def run(cfg: FullConfig, target_path: Path | None = None) -> Path:
         distinct = int((counts > 0).sum())
         size = cfg.draft.draft_vocab_size or auto_draft_vocab_size(cfg.target.vocab_size, distinct)
         vocab = build_draft_vocab(counts, size, warn=lambda m: log(f"vocab: {m}"))
-        summary = {
-            "draft_vocab_size": size,
-            "chosen": "config" if cfg.draft.draft_vocab_size else "auto",
-            "target_vocab_size": cfg.target.vocab_size,
-            "distinct_tokens_seen": distinct,
-            "counted_tokens": int(counts.sum()),
-            "covered_fraction": vocab.covered_fraction,
-            "filled": vocab.filled,
-        }
+        summary = VocabSummary(
+            draft_vocab_size=size,
+            chosen="config" if cfg.draft.draft_vocab_size else "auto",
+            target_vocab_size=cfg.target.vocab_size,
+            distinct_tokens_seen=distinct,
+            counted_tokens=int(counts.sum()),
+            covered_fraction=vocab.covered_fraction,
+            filled=vocab.filled,
+        ).as_dict()
         with atomic_dir(out) as tmp:
             save_file({"d2t": vocab.d2t, "t2d": vocab.t2d}, str(tmp / layout.vocab_file.name))
             write_json_atomic(tmp / layout.vocab_summary_file.name, summary)

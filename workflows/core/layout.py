@@ -38,6 +38,7 @@ from typing import Iterator
 from eagle3.schema import output_dict
 from workflows.core.errors import MissingArtefact
 from workflows.core.markers import config_hash, exclusive_lock, folder_lock, marker_key, read_json
+from workflows.core.records import VocabSummary
 
 STAGE_DIRS = {
     "generate": "generate",
@@ -233,16 +234,16 @@ class RunLayout:
         return rows
 
     def read_vocab(self):
-        """(DraftVocab, summary) of the finished vocab stage."""
+        """(DraftVocab, VocabSummary) of the finished vocab stage."""
         from safetensors.torch import load_file
 
         from eagle3.vocab import DraftVocab
 
         self.require_done("vocab")
         t = load_file(str(self.vocab_file))
-        summary = read_json(self.vocab_summary_file)
+        summary = VocabSummary.read(self.vocab_summary_file)
         return DraftVocab(
-            d2t=t["d2t"], t2d=t["t2d"], covered_fraction=summary["covered_fraction"], filled=summary["filled"]
+            d2t=t["d2t"], t2d=t["t2d"], covered_fraction=summary.covered_fraction, filled=summary.filled
         ), summary
 
     def require_draft(self) -> Path:

@@ -31,6 +31,7 @@ from eagle3.target_features import FINAL_IS_NORMED
 from storage.states import STORED_AS
 from workflows.core.markers import read_json, write_json_atomic
 from workflows.core.precision import engine_dtype
+from workflows.core.records import VocabSummary
 
 PREPARED = "PREPARED.json"  # written last into a target folder the pipeline built
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -246,7 +247,7 @@ def store_provenance(cfg, identity: Mapping, plan: Mapping, backend_version: str
     }
 
 
-def draft_provenance(cfg, identity: Mapping, vocab_summary: Mapping) -> dict:
+def draft_provenance(cfg, identity: Mapping, vocab_summary: VocabSummary) -> dict:
     """What every draft artefact (checkpoint, trained draft, exports) carries."""
     return {
         "target": dict(identity),
@@ -255,7 +256,7 @@ def draft_provenance(cfg, identity: Mapping, vocab_summary: Mapping) -> dict:
         "layer_id_convention": CONVENTION,
         "final_is_normed": FINAL_IS_NORMED,
         "hidden_size": cfg.target.hidden_size,
-        "vocab": dict(vocab_summary),
+        "vocab": vocab_summary.as_dict(),
         "code_version": code_version(),
         "config": redacted(cfg),
     }

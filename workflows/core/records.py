@@ -8,6 +8,9 @@ the file and the field, instead of as a `KeyError` in whatever module happened t
 headline (workflows.full) and the serve tool (workflows.tools.serve) rely on. The report
 holds more (per-prompt rows, buckets, the served checks' details); those are read only by
 the evaluate stage's own report writer.
+
+`VocabSummary`: the vocab stage's `summary.json`, read with the vocab map by the train
+stage (RunLayout.read_vocab) and carried whole into the draft's provenance.
 """
 
 from __future__ import annotations
@@ -20,8 +23,37 @@ from workflows.core.errors import MissingArtefact
 from workflows.core.markers import read_json
 
 
+class Record:
+    """A typed record read from a JSON artefact: `of` keeps the fields it declares (the
+    artefact may hold more) and refuses one that lacks a field without a default."""
+
+    STAGE = ""  # the stage that writes the artefact: the message says which one to rerun
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def of(cls, data: dict, where: str = "the artefact"):
+        fields = dataclasses.fields(cls)
+        missing = [
+            f.name
+            for f in fields
+            if f.name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        if missing:
+            raise MissingArtefact(
+                f"{where}: no field {missing[0]!r}; it was written by another version of the {cls.STAGE} "
+                f"stage: rerun it (stages=[{cls.STAGE}])"
+            )
+        return cls(**{f.name: data[f.name] for f in fields if f.name in data})
+
+    @classmethod
+    def read(cls, path: Path):
+        return cls.of(read_json(path), str(path))
+
+
 @dataclass(frozen=True)
-class ReportHeadline:
+class ReportHeadline(Record):
     acceptance_offline: float  # the walk's prediction (eagle3.metrics)
     acceptance_decoded: float  # the reference decoder's
     acceptance_decoded_sglang_definition: float
@@ -37,26 +69,17 @@ class ReportHeadline:
     divergences: list[dict] = field(default_factory=list)  # prompts whose answer left greedy's
     served: dict = field(default_factory=dict)  # engine -> its served check (workflows.core.serving)
 
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    STAGE = "evaluate"
 
-    @classmethod
-    def of(cls, report: dict, where: str = "report") -> "ReportHeadline":
-        """The headline of a report dict: the writer builds it before writing (so it cannot
-        write a report its readers refuse), the readers on reading."""
-        fields = dataclasses.fields(cls)
-        missing = [
-            f.name
-            for f in fields
-            if f.name not in report and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        ]
-        if missing:
-            raise MissingArtefact(
-                f"{where}: the report has no field {missing[0]!r}; it was written by another version of the "
-                "evaluate stage: rerun it (stages=[evaluate])"
-            )
-        return cls(**{f.name: report[f.name] for f in fields if f.name in report})
 
-    @classmethod
-    def read(cls, path: Path) -> "ReportHeadline":
-        return cls.of(read_json(path), str(path))
+@dataclass(frozen=True)
+class VocabSummary(Record):
+    draft_vocab_size: int  # the slots of the draft's vocabulary
+    chosen: str  # "config" (draft.draft_vocab_size) or "auto" (sized from the distinct tokens seen)
+    target_vocab_size: int
+    distinct_tokens_seen: int  # in the train answers the vocab was counted over
+    counted_tokens: int
+    covered_fraction: float  # of the counted tokens, the part the draft vocab holds
+    filled: int  # slots filled with the lowest unused ids (fewer distinct tokens than slots)
+
+    STAGE = "vocab"

@@ -266,7 +266,7 @@ def evaluate_into(cfg: FullConfig, layout: RunLayout, target_path: Path, out: Pa
     report["served"] = served_checks(cfg, layout, target_path, rows, dec["greedy"], report, dtype_name, eos, device)
     with atomic_dir(out) as tmp:
         plots = plot(report, tmp)
-        ReportHeadline.of(report)  # the readers' record: refuse to write a report they would refuse
+        ReportHeadline.of(report, "the report")  # the readers' record: refuse to write a report they would refuse
         write_json_atomic(tmp / layout.report_file.name, report)
         # The prompts as served, for `workflows.tools.benchmark --prompts <this file>` against a server.
         (tmp / layout.heldout_prompts_file.name).write_text(
