@@ -11,7 +11,7 @@ from eagle3.metrics import Acceptance, SlotCounts, acceptance, expected_acceptan
 from eagle3.spec_decode import Eagle3Drafter, SpeculativeDecoder, greedy_decode
 from eagle3.training import forward_batch
 from eagle3.ttt import TTTConfig, acceptance_rates_at
-from workflows.core.config import FullConfig
+from workflows.core.config import EvaluateSection
 from workflows.core.log import log
 
 
@@ -176,13 +176,13 @@ def decode_sampled(
     return {name: dict(zip(("value", "standard_error"), ratio_interval(pairs))) for name, pairs in runs.items()}
 
 
-def at_temperature(cfg: FullConfig, model, draft, head, rows, batches, ids, eos) -> dict:
+def at_temperature(e: EvaluateSection, model, draft, head, rows, batches, ids, eos) -> dict:
     """Acceptance when the target samples at `evaluate.temperature`: the offline expectation
     from the per-step acceptance rates of the draft's own guesses (eagle3.ttt.
     acceptance_rates_at, eagle3.metrics.expected_acceptance_length), and the reference
     decoder sampling once per seed of `evaluate.seeds`, pooled over prompts and seeds with
     a standard error (eagle3.metrics.ratio_interval) in each engine's definition."""
-    e, k = cfg.evaluate, cfg.evaluate.num_steps
+    k = e.num_steps
     sums = counts = 0
     for batch in batches:
         s, c = acceptance_rates_at(draft, head, batch, k, e.temperature)

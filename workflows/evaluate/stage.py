@@ -262,7 +262,7 @@ def evaluate_into(cfg: FullConfig, layout: RunLayout, target_path: Path, out: Pa
             }
         )
     if e.temperature > 0:
-        report["at_temperature"] = at_temperature(cfg, model, draft, head, rows, batches, ids, eos)
+        report["at_temperature"] = at_temperature(cfg.evaluate, model, draft, head, rows, batches, ids, eos)
     report["served"] = served_checks(cfg, layout, target_path, rows, dec["greedy"], report, dtype_name, eos, device)
     with atomic_dir(out) as tmp:
         plots = plot(report, tmp)

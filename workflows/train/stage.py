@@ -47,21 +47,21 @@ from workflows.train.data import SamplesInMemory
 from workflows.train.trainer import Trainer, TrainJob
 
 
-def data_source(cfg: FullConfig, layout: RunLayout) -> str:
-    if cfg.train.data_source != "auto":
-        return cfg.train.data_source
+def data_source(train: TrainSection, layout: RunLayout) -> str:
+    if train.data_source != "auto":
+        return train.data_source
     return "store" if layout.done_key("capture") is not None else "online"
 
 
-def backend_of(cfg: FullConfig, source: str) -> str:
+def backend_of(train: TrainSection, source: str) -> str:
     if source == "online":
-        if cfg.train.backend == "ray":
+        if train.backend == "ray":
             raise ConfigError(
                 "train.backend=ray trains from the store: run the capture stage first, or set "
                 "train.backend=local for online states"
             )
         return "online"
-    return "plain" if cfg.train.backend == "local" else "deepspeed"
+    return "plain" if train.backend == "local" else "deepspeed"
 
 
 def resume_fields(cfg: FullConfig, backend: str, store_key: str) -> dict:
@@ -113,8 +113,8 @@ def training_dtype(train: TrainSection, backend: str) -> str:
 def run(cfg: FullConfig, target_path: Path) -> Path:
     # Workers may run elsewhere (and Hydra's working directory is the driver's): absolute paths.
     cfg = dataclasses.replace(cfg, run_dir=str(cfg.run_path), cache_dir=str(cfg.cache_path))
-    source = data_source(cfg, RunLayout.of(cfg))
-    backend = backend_of(cfg, source)
+    source = data_source(cfg.train, RunLayout.of(cfg))
+    backend = backend_of(cfg.train, source)
     # "auto" settles here, for the workers' device; the key and the loop see the dtype really used.
     cfg = dataclasses.replace(
         cfg, train=dataclasses.replace(cfg.train, compute_dtype=training_dtype(cfg.train, backend))
