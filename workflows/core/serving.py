@@ -248,20 +248,30 @@ def served_check(
         "divergent": divergent,
         "tokens_per_s": tokens / result["seconds"] if result["seconds"] else float("nan"),
         "wall_s": result["wall_s"],
-        "counters": {k: v for k, v in result.items() if k not in ("outputs", "engine", "sampled")},
-        **({"sampled": sampled_figures(job, result["sampled"], sampled_prediction)} if "sampled" in result else {}),
+        "counters": {k: v for k, v in result.items() if k not in ("outputs", "engine", "sampled", "sampled_verify")},
+        **(
+            {"sampled": sampled_figures(job, result["sampled"], sampled_prediction, result.get("sampled_verify"))}
+            if "sampled" in result
+            else {}
+        ),
     }
 
 
-def sampled_figures(job: ServeJob, sampled: dict, prediction: dict | None) -> dict:
+def sampled_figures(job: ServeJob, sampled: dict, prediction: dict | None, verify: str | None = None) -> dict:
+    """The engine's figure at temperature, beside the reference's where the engine samples
+    as the reference does. `verify` is the engine's own word on how it verifies when
+    sampling ("sampling", "argmax", "unknown"; None: the driver does not say): an engine that
+    commits the argmax at any temperature serves mostly greedy text, so its figure is kept
+    but not compared."""
     figure = accept_length(job.engine, sampled)
     out = {
         "temperature": job.sampled_temperature,
         "seeds": list(job.sampled_seeds),
         "accept_length": figure,
+        "verify": verify or "unknown",
         "counters": {k: v for k, v in sampled.items() if k != "outputs"},
     }
-    if prediction is not None:
+    if prediction is not None and verify != "argmax":
         half = 1.96 * 2**0.5 * prediction["standard_error"]
         low, high = prediction["value"] - half, prediction["value"] + half
         out.update({"predicted": prediction["value"], "range95": [low, high], "within": bool(low <= figure <= high)})
@@ -283,7 +293,12 @@ def verdict(check: dict) -> str:
         f"{check['prompts']}"
     )
     sampled = check.get("sampled", {})
-    if "range95" in sampled:
+    if sampled.get("verify") == "argmax":
+        line += (
+            f"; at temperature {sampled['temperature']:g} {sampled['accept_length']:.3f}, not compared: "
+            f"{check['engine']} verifies by argmax on {check['device']} at any temperature"
+        )
+    elif "range95" in sampled:
         line += (
             f"; at temperature {sampled['temperature']:g} {sampled['accept_length']:.3f} vs predicted "
             f"{sampled['predicted']:.3f} (95% range {sampled['range95'][0]:.3f}-{sampled['range95'][1]:.3f}"

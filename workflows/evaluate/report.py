@@ -139,7 +139,13 @@ def markdown(r: dict, plots: list[str]) -> str:
                 f"{c['accept_length']:.3f} / {c['predicted']:.3f} / {c['served_over_predicted']:.3f} / "
                 f"{c['identical_to_greedy']} of {c['prompts']} |"
             )
-            if "range95" in c.get("sampled", {}):
+            if c.get("sampled", {}).get("verify") == "argmax":
+                t = c["sampled"]
+                lines.append(
+                    f"| served by {c['engine']} at temperature {t['temperature']:g}: accept length | "
+                    f"{t['accept_length']:.3f} (not compared: it verifies by argmax on {c['device']}) |"
+                )
+            elif "range95" in c.get("sampled", {}):
                 t = c["sampled"]
                 lines.append(
                     f"| served by {c['engine']} at temperature {t['temperature']:g}: accept length / predicted "
