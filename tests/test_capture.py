@@ -305,7 +305,7 @@ def test_bad_inputs_are_refused_or_counted(tiny_target, tmp_path):
 
 def test_estimate_and_space_refusal(tiny_target, tmp_path, capsys):
     kimi = compose(["target=kimi_k25_int4"])
-    est = capture_sizing.estimate(kimi, 88_000_000)
+    est = capture_sizing.estimate(kimi.target, kimi.capture, 88_000_000)
     assert est["bytes_per_token"] == 2 * 4 * 7168 + 5 == 57349
     assert est["projected_bytes"] == 57349 * 88_000_000  # ~5.05 TB (4.59 TiB)
     assert est["projected"].startswith("5.05 TB (4.59 TiB)")
@@ -313,7 +313,8 @@ def test_estimate_and_space_refusal(tiny_target, tmp_path, capsys):
         "bfloat16": {"bytes_per_token": 57349, "projected": "5.05 TB"},
         "int8": {"bytes_per_token": 4 * (7168 + 4) + 5, "projected": "2.52 TB"},  # + a float32 scale a row slice
     }
-    int8 = capture_sizing.estimate(compose(["target=kimi_k25_int4", "capture.state_dtype=int8"]), 88_000_000)
+    int8_cfg = compose(["target=kimi_k25_int4", "capture.state_dtype=int8"])
+    int8 = capture_sizing.estimate(int8_cfg.target, int8_cfg.capture, 88_000_000)
     assert int8["bytes_per_token"] == 28693 and int8["projected"].startswith("2.52 TB")
     with pytest.raises(ConfigError, match="capture.store=.*needs ~5.05 TB.*capture.ignore_space=true"):
         capture_sizing.check_space(str(tmp_path / "store"), est["projected_bytes"], ignore=False)
@@ -348,7 +349,7 @@ def test_estimate_projects_wall_time_shards_manifest_and_driver_memory(tiny_targ
         ]
     )
     corpus = {"samples": 88_000, "tokens": 88_000_000, "answer_tokens": 44_000_000}
-    p = capture_sizing.projection(kimi, 88_000_000, corpus, measured_tps=None)
+    p = capture_sizing.projection(kimi.capture, kimi.data, 88_000_000, corpus, measured_tps=None)
     assert p["shards"] == 1375 + 1 and p["manifest_bytes"] == 1376 * capture_sizing.MANIFEST_ROW_BYTES
     assert (
         p["driver_bytes"]
@@ -359,7 +360,7 @@ def test_estimate_projects_wall_time_shards_manifest_and_driver_memory(tiny_targ
     assert p["generate_answer_tokens"] == 44_000_000 and p["generate_hours"] == 0.76
     # Without a configured rate, the last capture's measured per-actor rate; without either, unknown.
     plain = compose(["target=kimi_k25_int4", "capture.shard_samples=64"])
-    measured = capture_sizing.projection(plain, 88_000_000, corpus, measured_tps=4000.0)
+    measured = capture_sizing.projection(plain.capture, plain.data, 88_000_000, corpus, measured_tps=4000.0)
     assert measured["capture_hours"] == round(88e6 / 4000 / 3600, 2) and measured["generate_hours"] is None
     assert measured["capture_tokens_per_s_from"] == "capture/summary.json"
     # The command: no corpus here, so tokens come from capture.estimate_tokens.

@@ -9,10 +9,11 @@ import shutil
 from pathlib import Path
 
 from eagle3.schema import ConfigError
+from eagle3.target_spec import TargetSpec
 from storage.states import STATE_DTYPES, state_bytes_per_token
 from storage.zarr_io import is_remote
 from workflows.capture.plan import SPLITS, CorpusSamples
-from workflows.core.config import FullConfig
+from workflows.core.config import CaptureSection, DataSection
 from workflows.core.layout import RunLayout
 
 
@@ -22,8 +23,10 @@ def bytes_per_token(n_aux: int, hidden_size: int, state_dtype: str = "bfloat16")
     return state_bytes_per_token(n_aux, hidden_size, state_dtype) + 4 + 1
 
 
-def estimate(cfg: FullConfig, tokens: int) -> dict:
-    n_aux, h, scheme = len(cfg.target.capture_ids), cfg.target.hidden_size, cfg.capture.state_dtype
+def estimate(target: TargetSpec, capture: CaptureSection, tokens: int) -> dict:
+    """Store bytes for `tokens` corpus tokens of `target`'s states, in the capture's scheme
+    and beside every other scheme."""
+    n_aux, h, scheme = len(target.capture_ids), target.hidden_size, capture.state_dtype
     per_token = bytes_per_token(n_aux, h, scheme)
     # Every scheme's figures beside the configured one's, to choose between them.
     by_scheme = {
@@ -31,10 +34,10 @@ def estimate(cfg: FullConfig, tokens: int) -> dict:
         for s in STATE_DTYPES
     }
     return {
-        "target": cfg.target.name,
-        "num_layers": cfg.target.num_layers,
+        "target": target.name,
+        "num_layers": target.num_layers,
         "hidden_size": h,
-        "capture_layer_ids": cfg.target.capture_ids,
+        "capture_layer_ids": target.capture_ids,
         "states_per_token": f"{n_aux} aux + final",
         "state_dtype": scheme,
         "bytes_per_token": per_token,
@@ -99,10 +102,12 @@ def measured_capture_tokens_per_s(layout: RunLayout) -> float | None:
     return sum(rates) / len(rates) if rates else None
 
 
-def projection(cfg: FullConfig, tokens: int, corpus: dict | None, measured_tps: float | None) -> dict:
+def projection(
+    capture: CaptureSection, data: DataSection, tokens: int, corpus: dict | None, measured_tps: float | None
+) -> dict:
     """Projected wall time of generate and capture, shard count, manifest size and driver
     memory for `tokens` corpus tokens; each figure names what it rests on."""
-    c, d = cfg.capture, cfg.data
+    c, d = capture, data
     per_sample = corpus["tokens"] / corpus["samples"] if corpus and corpus["samples"] else d.max_length
     answer_fraction = corpus["answer_tokens"] / corpus["tokens"] if corpus and corpus["tokens"] else 1.0
     shards = math.ceil(tokens / per_sample / c.shard_samples) + len(SPLITS) - 1  # a partial shard per split

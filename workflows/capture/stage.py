@@ -186,7 +186,7 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         pending = [(name, n) for name, n in plans if name not in committed]
         for name, _ in pending:
             store.remove_shard(name)  # half-written leftovers of a killed writer
-        size = estimate(cfg, sum(n for _, n in pending))
+        size = estimate(cfg.target, c, sum(n for _, n in pending))
         space = check_space(url, size["projected_bytes"], c.ignore_space)
         log(
             f"capture: {len(plans)} shards ({len(committed)} committed, {len(adopted)} adopted, {len(pending)} to "
@@ -335,7 +335,7 @@ def capture_main(cfg: FullConfig) -> None:
     tokens = cfg.capture.estimate_tokens or (corpus or {}).get("tokens")
     if tokens is None:
         raise ConfigError("capture.estimate_only: no finished generate stage here; set capture.estimate_tokens")
-    size = estimate(cfg, tokens)
+    size = estimate(cfg.target, cfg.capture, tokens)
     size["space"] = check_space(layout.store_url, size["projected_bytes"], ignore=True)
-    size["projection"] = projection(cfg, tokens, corpus, measured_capture_tokens_per_s(layout))
+    size["projection"] = projection(cfg.capture, cfg.data, tokens, corpus, measured_capture_tokens_per_s(layout))
     print(json.dumps(size, indent=2))

@@ -54,7 +54,7 @@ def heldout_rows(layout: RunLayout, limit: int, max_new_tokens: int) -> list[dic
     return out
 
 
-def load_draft_for_eval(cfg: FullConfig, layout: RunLayout, model, dtype: torch.dtype) -> tuple[Eagle3Draft, str]:
+def load_draft_for_eval(layout: RunLayout, model, dtype: torch.dtype) -> tuple[Eagle3Draft, str]:
     """The draft this run's train stage produced: its export (the weights as served) when
     the export stage made it from that very draft, else the trained weights."""
     folder = layout.require_draft()
@@ -95,7 +95,7 @@ def offline_in_fp32(
             trust_remote_code=cfg.target.trust_remote_code,
         )
     )
-    draft, _ = load_draft_for_eval(cfg, layout, engine.model, torch.float32)
+    draft, _ = load_draft_for_eval(layout, engine.model, torch.float32)
     groups = [rows[i : i + 4] for i in range(0, len(rows), 4)]
     fp32, _ = offline_acceptance(
         draft, TargetHead.from_hf(engine.model), groups, engine.training_batches(groups, "capture held-out (fp32)"), k
@@ -174,7 +174,7 @@ def evaluate_into(cfg: FullConfig, layout: RunLayout, target_path: Path, out: Pa
     )
     model = engine.model
     cfg.target.check_against_hf_config(model.config)
-    draft, source = load_draft_for_eval(cfg, layout, model, dtype)
+    draft, source = load_draft_for_eval(layout, model, dtype)
     rows = heldout_rows(layout, e.max_prompts, e.max_new_tokens)
     groups = [rows[i : i + 4] for i in range(0, len(rows), 4)]
     batches = engine.training_batches(groups, "capture held-out")
