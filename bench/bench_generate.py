@@ -39,7 +39,7 @@ def main(overrides: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = compose([*defaults, f"run_dir={tmp}", *overrides])
         target_path = prepare_for(cfg, log=log)
-        prompts = generate.ingest_mixture(cfg)[0]
+        prompts = generate.ingest_mixture(cfg.mixture, cfg.data, cfg.cache_path)[0]
         if any(sum(m["role"] == "user" for m in p["messages"]) != 1 for p in prompts):
             raise SystemExit("bench_generate compares single-turn prompts only (use mixture=bundled)")
 

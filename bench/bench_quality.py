@@ -160,7 +160,7 @@ def run_trial(args: dict) -> dict:
     counts = sum(count_tokens(s["input_ids"], s["loss_mask"], cfg.target.vocab_size) for s in fit)
     size = cfg.draft.draft_vocab_size or auto_draft_vocab_size(cfg.target.vocab_size, int((counts > 0).sum()))
     vocab = build_draft_vocab(counts, size, warn=lambda *_: None)
-    draft = build_draft(cfg, args["target"], vocab)
+    draft = build_draft(cfg.draft, cfg.target, args["target"], vocab, seed=cfg.seed, init_from=cfg.train.init_from)
     head = read_target_head(Path(args["target"]), final_is_normed)
     b = cfg.train.batch_size
     rng = random.Random(seed)

@@ -50,3 +50,16 @@ def memorised(tiny_target, tmp_path_factory):
     from tests.helpers import memorising_draft
 
     return memorising_draft(tiny_target, tmp_path_factory.mktemp("memorised"))
+
+
+@pytest.fixture(scope="session")
+def corpus(tiny_target, tmp_path_factory):
+    """A generated corpus (12 conversations of the tiny target, tests.test_capture.cfg_for),
+    for the capture tests, which copy it (tests.test_capture.run_dir_with_corpus); once per
+    session, however many modules use it."""
+    from tests.test_capture import cfg_for
+    from workflows.generate import stage as generate
+
+    run_dir = tmp_path_factory.mktemp("corpus")
+    generate.run(cfg_for(tiny_target, run_dir), tiny_target)
+    return run_dir

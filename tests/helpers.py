@@ -192,3 +192,10 @@ def memorising_draft(
         "chain": chain,
         "tree": tree,
     }
+
+
+def contract_of(cfg, identity) -> dict:
+    """The capture contract of a whole config (its target and capture sections)."""
+    from workflows.core.provenance import capture_contract
+
+    return capture_contract(cfg.target, cfg.capture, identity)

@@ -20,7 +20,6 @@ from workflows.capture import plan as capture_plan
 from workflows.capture import stage as capture
 from workflows.core.config import compose
 from workflows.core.errors import USER_ERRORS, InputError, StageFailure
-from workflows.generate import stage as generate
 
 
 def cfg_for(tiny_target, run_dir, *extra):
@@ -43,14 +42,6 @@ def cfg_for(tiny_target, run_dir, *extra):
             *extra,
         ]
     )
-
-
-@pytest.fixture(scope="module")
-def corpus(tiny_target, tmp_path_factory):
-    """A generated corpus (12 conversations of the tiny target), copied per test."""
-    run_dir = tmp_path_factory.mktemp("corpus")
-    generate.run(cfg_for(tiny_target, run_dir), tiny_target)
-    return run_dir
 
 
 @pytest.fixture(scope="session")
@@ -238,16 +229,17 @@ def test_store_refuses_a_contradicting_config(tiny_target, corpus, tmp_path, ray
 
 def test_train_reads_the_same_batches_from_the_store(tiny_target, corpus, tmp_path, ray_local):
     from eagle3.target_features import capture_batch
+    from tests.helpers import contract_of
     from workflows.core.layout import RunLayout
-    from workflows.core.provenance import capture_contract, identity_for
+    from workflows.core.provenance import target_identity
     from workflows.core.targets import load_target
     from workflows.train.data import eval_batches
 
     run_dir = run_dir_with_corpus(corpus, tmp_path)
     cfg = cfg_for(tiny_target, run_dir)
     capture.run(cfg, tiny_target)
-    identity = identity_for(cfg, tiny_target)
-    reader = RunLayout.of(cfg).open_store(expect=capture_contract(cfg, identity))
+    identity = target_identity(tiny_target, cfg.cache_path)
+    reader = RunLayout.of(cfg).open_store(expect=contract_of(cfg, identity))
     rows = {r["id"]: r for r in corpus_rows(run_dir)}
     # Shards are per split, named by it, and hold exactly the corpus's samples of that split.
     for split in ("train", "heldout"):
@@ -278,12 +270,12 @@ def test_train_reads_the_same_batches_from_the_store(tiny_target, corpus, tmp_pa
     assert [r[m].tolist() for b in bounded for r, m in zip(b["input_ids"], b["attention_mask"])] == first
     layout = RunLayout.of(cfg)
     with pytest.raises(ProvenanceMismatch, match="'hidden_size'"):
-        layout.open_store(expect=capture_contract(cfg_for(tiny_target, run_dir, "target.hidden_size=96"), identity))
+        layout.open_store(expect=contract_of(cfg_for(tiny_target, run_dir, "target.hidden_size=96"), identity))
     # The train side checks as much as capture does: the engine's dtype, backend, weights.
     with pytest.raises(ProvenanceMismatch, match="'engine_dtype'"):
-        layout.open_store(expect=capture_contract(cfg_for(tiny_target, run_dir, "capture.dtype=bfloat16"), identity))
+        layout.open_store(expect=contract_of(cfg_for(tiny_target, run_dir, "capture.dtype=bfloat16"), identity))
     with pytest.raises(ProvenanceMismatch, match="'target_weights_sha256'"):
-        layout.open_store(expect=capture_contract(cfg, {**identity, "weights_sha256": "other"}))
+        layout.open_store(expect=contract_of(cfg, {**identity, "weights_sha256": "other"}))
 
 
 def test_bad_inputs_are_refused_or_counted(tiny_target, tmp_path):

@@ -159,7 +159,7 @@ def test_stage_regenerates_mixture_and_resumes_after_a_crash(tiny_target, tmp_pa
     out = generate.run(cfg, tiny_target, on_commit=commits.append)
     assert sorted(commits) == missing  # exactly the missing shards, each once
     assert {k: (folder / f"{k:05d}.done.json").stat().st_mtime_ns for k in done} == done  # not regenerated
-    prompts, ingest_counts = generate.ingest_mixture(cfg)
+    prompts, ingest_counts = generate.ingest_mixture(cfg.mixture, cfg.data, cfg.cache_path)
     samples = corpus_rows(tmp_path)
     assert sorted(r["id"] for r in samples) == sorted(r["id"] for r in prompts)  # no duplicate, no loss
     assert len(samples) == 12 and {r["dataset"] for r in samples} == {
@@ -572,15 +572,17 @@ def test_a_target_template_without_tools_is_refused_before_any_engine_starts(tin
         {"dataset": "chat", "messages": [{"role": "user", "content": "Hi"}]},
         {"dataset": "agent", "messages": tool_conversation("Oslo"), "tools": TOOLS},
     ]
-    generate.check_tool_rendering(cfg, tmp_path / "plain", rows[:1])  # no tool turn: nothing to check
+    generate.check_tool_rendering(cfg.target, cfg.data, tmp_path / "plain", rows[:1])  # no tool turn: nothing to check
     with pytest.raises(
         TemplateError,
         match=r"generate: the mixture holds tool conversations \(agent \(1\)\) but .*"
         r"cannot render tool calls .* drop those datasets \(~mixture.<name>\)",
     ) as err:
-        generate.check_tool_rendering(cfg, tmp_path / "plain", rows)
+        generate.check_tool_rendering(cfg.target, cfg.data, tmp_path / "plain", rows)
     assert isinstance(err.value, USER_ERRORS) and "\n" not in str(err.value)
-    generate.check_tool_rendering(cfg, tiny_target, rows)  # the tiny target's own template renders them
+    generate.check_tool_rendering(
+        cfg.target, cfg.data, tiny_target, rows
+    )  # the tiny target's own template renders them
 
 
 def test_tool_call_rule_on_a_kimi_shaped_template(engine):

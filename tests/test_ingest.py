@@ -437,7 +437,7 @@ def test_dataset_with_no_conversation_is_an_error_naming_it(tmp_path):
     from workflows.generate import stage
 
     with pytest.raises(ingest.IngestError) as err:
-        stage.ingest_mixture(cfg)
+        stage.ingest_mixture(cfg.mixture, cfg.data, cfg.cache_path)
     assert str(err.value) == (
         f"dataset 'mine' ({path}) yields no conversation: 3 record(s) read, "
         "skipped: empty_prompt=2, non_alternating_roles=1"
@@ -448,16 +448,17 @@ def test_dataset_with_no_conversation_is_an_error_naming_it(tmp_path):
         match=r"dataset 'mine' \(.*empty.jsonl\) yields no conversation: "
         r"0 record\(s\) read, skipped: none \(the file holds no record\)",
     ):
-        stage.ingest_mixture(cfg)
+        stage.ingest_mixture(cfg.mixture, cfg.data, cfg.cache_path)
     # The same prompts as the bundled dataset: all duplicates is an empty dataset too.
-    rows, _ = stage.ingest_mixture(compose("mixture=bundled", f"cache_dir={tmp_path}"))
+    bundled = compose("mixture=bundled", f"cache_dir={tmp_path}")
+    rows, _ = stage.ingest_mixture(bundled.mixture, bundled.data, bundled.cache_path)
     path.write_text("\n".join(json.dumps({"messages": r["messages"]}) for r in rows))
     with pytest.raises(
         ingest.IngestError,
         match=rf"dataset 'mine' .* {len(rows)} record\(s\) read, "
         rf"skipped: duplicate={len(rows)}$",
     ):
-        stage.ingest_mixture(cfg)
+        stage.ingest_mixture(cfg.mixture, cfg.data, cfg.cache_path)
 
 
 def test_require_conversations_lists_few_files():
@@ -565,7 +566,8 @@ def test_kimi_public_mixture_is_nine_hub_datasets_and_offline_says_which(tmp_pat
         match=r"^mixture.ultrachat: hf://datasets/HuggingFaceH4/ultrachat_200k/"
         r"data/train_sft-\*.parquet: cannot list the files \(.*offline",
     ):
-        stage.ingest_mixture(compose("+experiment=kimi_k25", f"cache_dir={tmp_path}"))
+        kimi = compose("+experiment=kimi_k25", f"cache_dir={tmp_path}")
+        stage.ingest_mixture(kimi.mixture, kimi.data, kimi.cache_path)
 
 
 def test_a_lone_surrogate_is_a_counted_skip_naming_its_line(tmp_path):

@@ -345,13 +345,17 @@ def test_build_draft_starts_the_head_from_the_tiny_targets_checkpoint(tiny_targe
     common = ["target=tiny", f"cache_dir={tiny_target.parent.parent}", "draft.draft_vocab_size=64"]
     counts = torch.arange(1024, 0, -1)[torch.randperm(1024, generator=torch.Generator().manual_seed(0))]
     vocab = build_draft_vocab(counts, 64, warn=lambda *_: None)
-    draft = build_draft(compose([*common, "draft.init_head=target"]), str(tiny_target), vocab)
+    cfg = compose([*common, "draft.init_head=target"])
+    draft = build_draft(cfg.draft, cfg.target, str(tiny_target), vocab, seed=cfg.seed)
     weights = {}
     for f in sorted(tiny_target.glob("*.safetensors")):
         weights.update(load_file(str(f)))
     head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).float()
     assert torch.equal(draft.lm_head.weight, head[draft.target_ids()])
     assert torch.equal(draft.norm.weight, weights["model.norm.weight"].float())
-    plain = build_draft(compose(common), str(tiny_target), vocab)  # the default: torch's random start
+    cfg = compose(common)
+    plain = build_draft(
+        cfg.draft, cfg.target, str(tiny_target), vocab, seed=cfg.seed
+    )  # the default: torch's random start
     assert not torch.equal(plain.lm_head.weight, draft.lm_head.weight)
     assert torch.equal(plain.norm.weight, torch.ones_like(plain.norm.weight))

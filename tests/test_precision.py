@@ -48,15 +48,15 @@ def test_the_measurement_is_real_and_restores_threads():
 
 
 def test_the_config_defaults_to_auto_and_the_store_records_the_resolved_dtype(monkeypatch):
+    from tests.helpers import contract_of
     from workflows.core.config import compose
-    from workflows.core.provenance import capture_contract
 
     cfg = compose(["target=tiny"])
     assert (cfg.data.dtype, cfg.capture.dtype, cfg.train.compute_dtype, cfg.train.capture_dtype) == ("auto",) * 4
     monkeypatch.setattr(precision, "matmul_gflops", lambda dtype: 300.0 if dtype == "bfloat16" else 50.0)
     identity = {"path": "/t", "weights_sha256": "w", "tokenizer_sha256": "t", "chat_template_sha256": "c"}
-    assert capture_contract(cfg, identity)["engine_dtype"] == "bfloat16"
-    assert capture_contract(compose(["target=tiny", "capture.dtype=float32"]), identity)["engine_dtype"] == "float32"
+    assert contract_of(cfg, identity)["engine_dtype"] == "bfloat16"
+    assert contract_of(compose(["target=tiny", "capture.dtype=float32"]), identity)["engine_dtype"] == "float32"
 
 
 @pytest.mark.parametrize(

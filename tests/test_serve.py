@@ -116,10 +116,14 @@ def test_serve_defaults_to_what_the_report_evaluated(tmp_path):
     import json
 
     from workflows.core.config import compose
+    from workflows.core.layout import RunLayout
     from workflows.tools.serve import drafting_to_serve
 
+    def drafting(cfg):
+        return drafting_to_serve(cfg.serve, cfg.evaluate, RunLayout.of(cfg).report_file)
+
     cfg = compose(["target=tiny", f"run_dir={tmp_path}", "evaluate.num_steps=3"])
-    assert drafting_to_serve(cfg) == (3, 1, 4)  # no report yet: the evaluate config, a chain
+    assert drafting(cfg) == (3, 1, 4)  # no report yet: the evaluate config, a chain
     (tmp_path / "report").mkdir()
     report = {
         "acceptance_offline": 1.5,
@@ -133,10 +137,10 @@ def test_serve_defaults_to_what_the_report_evaluated(tmp_path):
         **{"num_steps": 5, "topk": 1, "num_draft_tokens": 6},
     }
     (tmp_path / "report" / "report.json").write_text(json.dumps(report))
-    assert drafting_to_serve(cfg) == (5, 1, 6)
+    assert drafting(cfg) == (5, 1, 6)
     explicit = compose(
         ["target=tiny", f"run_dir={tmp_path}", "serve.num_steps=2", "serve.topk=4", "serve.num_draft_tokens=8"]
     )
-    assert drafting_to_serve(explicit) == (2, 4, 8)
+    assert drafting(explicit) == (2, 4, 8)
     # Never SGLang's own per-architecture pick (a (5, 4, 8) tree for Llama) unless asked for.
-    assert resolve_spec_args(*drafting_to_serve(cfg), "LlamaForCausalLM").topk == 1
+    assert resolve_spec_args(*drafting(cfg), "LlamaForCausalLM").topk == 1

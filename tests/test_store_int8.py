@@ -19,7 +19,7 @@ from storage.reader import StoreReader
 from storage.states import decode_batch, dequantize, dequantize_int8, encode_states, quantize_int8
 from storage.store import HiddenStateStore, ProvenanceMismatch, ShardData, StoreError
 from storage.verify import verify
-from tests.test_capture import cfg_for, corpus, ray_local, run_dir_with_corpus  # noqa: F401 (fixtures)
+from tests.test_capture import cfg_for, ray_local, run_dir_with_corpus  # noqa: F401 (a fixture)
 from tests.test_store import IDS, H, provenance
 
 BF16_EPS = 2.0**-8  # bf16's unit roundoff: the reader's one rounding of q * s
@@ -271,13 +271,13 @@ def test_an_unknown_scheme_is_refused_naming_the_field(tmp_path):
 
 
 def test_the_train_side_refuses_a_store_of_another_scheme(tmp_path):
+    from tests.helpers import contract_of
     from workflows.core.config import compose
-    from workflows.core.provenance import CAPTURE_CONTRACT, capture_contract
+    from workflows.core.provenance import CAPTURE_CONTRACT
 
     identity = {"path": "/t", "weights_sha256": "w", "tokenizer_sha256": "t", "chat_template_sha256": "c"}
     contract = {
-        s: capture_contract(compose(["target=tiny", f"capture.state_dtype={s}"]), identity)
-        for s in ("bfloat16", "int8")
+        s: contract_of(compose(["target=tiny", f"capture.state_dtype={s}"]), identity) for s in ("bfloat16", "int8")
     }
     assert contract["int8"]["state_dtype"] == "int8" and "state_dtype" in CAPTURE_CONTRACT
     assert {k for k in CAPTURE_CONTRACT if contract["int8"][k] != contract["bfloat16"][k]} == {"state_dtype"}
@@ -316,9 +316,10 @@ def test_int8_bytes_per_token_are_about_half(target, ratio):
 
 def test_int8_capture_of_the_tiny_target_matches_hf_within_the_bound(tiny_target, corpus, tmp_path, ray_local):  # noqa: F811
     from eagle3.target_features import capture_states
+    from tests.helpers import contract_of
     from workflows.capture import stage as capture
     from workflows.core.layout import RunLayout
-    from workflows.core.provenance import capture_contract, identity_for
+    from workflows.core.provenance import target_identity
     from workflows.core.targets import load_target
     from workflows.train.data import eval_batches
 
@@ -328,8 +329,8 @@ def test_int8_capture_of_the_tiny_target_matches_hf_within_the_bound(tiny_target
         capture.run(cfgs[s], tiny_target)
     summary = json.loads((dirs["int8"] / "capture" / "summary.json").read_text())
     assert summary["verify_ok"] and summary["state_dtype"] == "int8"
-    identity = identity_for(cfgs["int8"], tiny_target)
-    reader = RunLayout.of(cfgs["int8"]).open_store(expect=capture_contract(cfgs["int8"], identity))
+    identity = target_identity(tiny_target, cfgs["int8"].cache_path)
+    reader = RunLayout.of(cfgs["int8"]).open_store(expect=contract_of(cfgs["int8"], identity))
     assert reader.provenance["state_dtype"] == "int8" and reader.provenance["stored_as"].startswith("int8")
     # Against the HF forward (float32), each slice within half its step (plus bf16's rounding).
     model, _ = load_target(tiny_target, dtype="float32")
@@ -365,6 +366,6 @@ def test_int8_capture_of_the_tiny_target_matches_hf_within_the_bound(tiny_target
     assert 0.5 < files["int8"] / files["bfloat16"] < 0.55, files
     # A config of the other scheme is refused on both sides, naming the field.
     with pytest.raises(ProvenanceMismatch, match="'state_dtype'"):
-        RunLayout.of(cfgs["int8"]).open_store(expect=capture_contract(cfgs["bfloat16"], identity))
+        RunLayout.of(cfgs["int8"]).open_store(expect=contract_of(cfgs["bfloat16"], identity))
     with pytest.raises(ProvenanceMismatch, match="'state_dtype'"):
         capture.run(cfg_for(tiny_target, dirs["int8"], "capture.state_dtype=bfloat16"), tiny_target)

@@ -32,7 +32,7 @@ from workflows.core.draft_files import WEIGHTS as DRAFT_WEIGHTS
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
 from workflows.core.markers import atomic_dir, run_stage, write_json_atomic
-from workflows.core.provenance import identity_for
+from workflows.core.provenance import target_identity
 
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
 # 2: the vLLM export names its capture ids in vLLM's numbering (format 1 wrote the project's,
@@ -136,7 +136,7 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     layout = RunLayout.of(cfg)
     out = layout.stage_dir("export")
     key = {
-        "target": identity_for(cfg, target_path),
+        "target": target_identity(target_path, cfg.cache_path),
         "dtype": cfg.target.dtype,
         "format": EXPORT_FORMAT,
         **layout.chain("train"),

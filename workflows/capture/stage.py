@@ -47,7 +47,7 @@ from workflows.core.markers import (
     write_json_atomic,
 )
 from workflows.core.precision import engine_dtype
-from workflows.core.provenance import CAPTURE_CONTRACT, identity_for, store_provenance
+from workflows.core.provenance import CAPTURE_CONTRACT, store_provenance, target_identity
 from workflows.core.stage_metrics import StageMetrics
 from workflows.core.targets import check_checkpoint, prepare_for
 
@@ -166,7 +166,9 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     if not plans:
         raise InputError(f"{layout.corpus_shards}: the corpus has no non-empty sample to capture")
     plan = {"shard_samples": c.shard_samples, "corpus_sha256": corpus_sha}
-    prov = store_provenance(cfg, identity_for(cfg, target_path), plan, engine_class(c.backend).version())
+    prov = store_provenance(
+        cfg.target, c, target_identity(target_path, cfg.cache_path), plan, engine_class(c.backend).version()
+    )
     # The provenance records the whole capture config; the key holds its output settings
     # only (eagle3.schema.NOT_OUTPUT: a raised timeout or more actors reuse the store).
     key = {

@@ -13,7 +13,11 @@
   evaluation and the doctor.
 
 Records are plain JSON-ready dicts (no tensors). Secrets never enter them: `redacted`
-masks `capture.storage_options` and `target.env` values before a config is recorded.
+masks the values of the secret-bearing maps (`capture.storage_options`, `target.env`)
+before a config or a section of it is recorded.
+
+Each builder takes the sections it reads (the target, the capture section), not the whole
+config; only the draft's provenance records the whole config, by design.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ from workflows.core.records import VocabSummary
 PREPARED = "PREPARED.json"  # written last into a target folder the pipeline built
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 REDACTED = "<redacted>"
+# Maps whose values may hold secrets (tokens, keys): the store's storage_options and the
+# target engine's env. Masked wherever they sit, in a whole config or in one section.
+SECRET_MAPS = ("storage_options", "env")
 # The fields a hidden-state store and a config must agree on (see the module doc).
 CAPTURE_CONTRACT = (
     "target_path",
@@ -205,50 +212,43 @@ def target_identity(path: str | Path, cache_dir: str | Path) -> dict:
     return identity
 
 
-def identity_for(cfg, target_path: str | Path) -> dict:
-    """The identity of a config's prepared target (cached under `cfg.cache_dir`)."""
-    return target_identity(target_path, cfg.cache_path)
-
-
-# ------------------------------------------------------------------------------- contracts
-
-
-def capture_contract(cfg, identity: Mapping) -> dict:
-    """The fields (CAPTURE_CONTRACT) a store captured under `cfg` holds."""
+def capture_contract(target, capture, identity: Mapping) -> dict:
+    """The fields (CAPTURE_CONTRACT) a store captured by `capture` from `target` holds."""
     contract = {
         "target_path": identity["path"],
         "target_weights_sha256": identity["weights_sha256"],
-        "num_layers": cfg.target.num_layers,
-        "hidden_size": cfg.target.hidden_size,
-        "capture_layer_ids": cfg.target.capture_ids,
+        "num_layers": target.num_layers,
+        "hidden_size": target.hidden_size,
+        "capture_layer_ids": target.capture_ids,
         "layer_id_convention": CONVENTION,
-        "state_dtype": cfg.capture.state_dtype,
+        "state_dtype": capture.state_dtype,
         "final_is_normed": FINAL_IS_NORMED,
         "tokenizer_sha256": identity["tokenizer_sha256"],
         "chat_template_sha256": identity["chat_template_sha256"],
-        "backend": cfg.capture.backend,
-        "engine_dtype": engine_dtype(cfg.capture),
+        "backend": capture.backend,
+        "engine_dtype": engine_dtype(capture),
     }
     assert tuple(contract) == CAPTURE_CONTRACT
     return contract
 
 
-def store_provenance(cfg, identity: Mapping, plan: Mapping, backend_version: str) -> dict:
-    """The contract plus what is recorded only (versions, the capture config, the shard plan)."""
+def store_provenance(target, capture, identity: Mapping, plan: Mapping, backend_version: str) -> dict:
+    """The contract plus what is recorded only (versions, the capture section, the shard plan)."""
     return {
-        **capture_contract(cfg, identity),
-        "target_name": cfg.target.name,
+        **capture_contract(target, capture, identity),
+        "target_name": target.name,
         "target": {k: identity.get(k) for k in ("model_type", "vocab_size")},
-        "stored_as": STORED_AS[cfg.capture.state_dtype],
+        "stored_as": STORED_AS[capture.state_dtype],
         "backend_version": backend_version,
         "code_version": code_version(),
-        "config": redacted(cfg)["capture"],
+        "config": redacted(capture),
         "plan": dict(plan),
     }
 
 
 def draft_provenance(cfg, identity: Mapping, vocab_summary: VocabSummary) -> dict:
-    """What every draft artefact (checkpoint, trained draft, exports) carries."""
+    """What every draft artefact (checkpoint, trained draft, exports) carries: the whole run
+    config among it, so that a draft says how it was made."""
     return {
         "target": dict(identity),
         "target_name": cfg.target.name,
@@ -262,14 +262,21 @@ def draft_provenance(cfg, identity: Mapping, vocab_summary: VocabSummary) -> dic
     }
 
 
-def redacted(cfg) -> dict:
-    """The config as a JSON-ready dict, with the values of secret-bearing maps masked."""
-    data = json.loads(json.dumps(to_dict(cfg), default=str))
-    for section, key in (("capture", "storage_options"), ("target", "env")):
-        values = data.get(section, {}).get(key)
-        if isinstance(values, dict):
-            data[section][key] = {k: REDACTED for k in values}
-    return data
+def redacted(config) -> dict:
+    """A config (or one section) as a JSON-ready dict, the values of its secret-bearing maps
+    (SECRET_MAPS) masked."""
+
+    def mask(node):
+        if isinstance(node, dict):
+            return {
+                k: {n: REDACTED for n in v} if k in SECRET_MAPS and isinstance(v, dict) else mask(v)
+                for k, v in node.items()
+            }
+        if isinstance(node, list):
+            return [mask(v) for v in node]
+        return node
+
+    return mask(json.loads(json.dumps(to_dict(config), default=str)))
 
 
 def code_version() -> str:

@@ -26,7 +26,7 @@ from storage.store import HiddenStateStore
 from workflows.core import draft_files
 from workflows.core.layout import RunLayout
 from workflows.core.markers import read_json
-from workflows.core.provenance import identity_for
+from workflows.core.provenance import target_identity
 
 INPUT_CONVENTION = "input_of_layer"  # SGLang's layers_to_capture
 FIELDS = (
@@ -325,7 +325,7 @@ def sides_for_run(cfg, target_path: Path, with_export: bool = True) -> list[Side
             "target_vocab_size": cfg.target.vocab_size,
         },
     )
-    sides = [config, side_from_target(identity_for(cfg, target_path))]
+    sides = [config, side_from_target(target_identity(target_path, cfg.cache_path))]
     layout = RunLayout.of(cfg)
     if layout.done_key("capture") is not None:
         store = HiddenStateStore(layout.store_url, layout.storage_options)

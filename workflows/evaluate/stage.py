@@ -12,6 +12,7 @@ from eagle3.metrics import assistant_spans
 from eagle3.modeling import Eagle3Draft
 from eagle3.schema import to_dict
 from eagle3.target_head import TargetHead
+from eagle3.target_spec import TargetSpec
 from workflows.core import draft_files
 from workflows.core.config import FullConfig
 from workflows.core.draft_files import load_draft_config, load_draft_weights
@@ -21,7 +22,7 @@ from workflows.core.errors import InputError
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
 from workflows.core.markers import atomic_dir, read_json, read_marker, run_stage, write_json_atomic
-from workflows.core.provenance import identity_for
+from workflows.core.provenance import target_identity
 from workflows.core.records import ReportHeadline
 from workflows.core.sglang import speculative_args
 from workflows.evaluate.decoding import at_temperature, decode_all, offline_acceptance
@@ -84,7 +85,7 @@ DTYPE_GAP = 0.02  # the offline walk in the serving dtype and in fp32 may differ
 
 
 def offline_in_fp32(
-    cfg: FullConfig, layout: RunLayout, target_path: Path, ids, rows, k: int, walk: float, device: str
+    target: TargetSpec, layout: RunLayout, target_path: Path, ids, rows, k: int, walk: float, device: str
 ) -> dict:
     engine = HFEngine(
         EngineSpec(
@@ -92,7 +93,7 @@ def offline_in_fp32(
             dtype="float32",
             capture_ids=ids,
             device=device,
-            trust_remote_code=cfg.target.trust_remote_code,
+            trust_remote_code=target.trust_remote_code,
         )
     )
     draft, _ = load_draft_for_eval(layout, engine.model, torch.float32)
@@ -103,7 +104,7 @@ def offline_in_fp32(
     gap = abs(walk - fp32.walk) / fp32.walk
     if gap > DTYPE_GAP:
         log(
-            f"evaluate: WARNING the offline walk is {walk:.3f} in {cfg.target.dtype} but {fp32.walk:.3f} in float32 "
+            f"evaluate: WARNING the offline walk is {walk:.3f} in {target.dtype} but {fp32.walk:.3f} in float32 "
             f"({gap:.1%} apart, above {DTYPE_GAP:.0%})"
         )
     return {"acceptance_offline_float32": fp32.walk, "dtype_gap": gap, "dtype_gap_flagged": gap > DTYPE_GAP}
@@ -143,7 +144,7 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     served = layout.benchmark_file  # python -m workflows.tools.benchmark --out ...
     key = {
         "evaluate": to_dict(e),
-        "target": identity_for(cfg, target_path),
+        "target": target_identity(target_path, cfg.cache_path),
         **layout.chain("train"),
         "export": layout.done_key("export"),
         "served": served.stat().st_mtime_ns if served.exists() else None,
@@ -236,7 +237,7 @@ def evaluate_into(cfg: FullConfig, layout: RunLayout, target_path: Path, out: Pa
         "per_prompt_decoded": dec["per_row"],
     }
     if dtype_name != "float32":  # the same walk in fp32: does precision move the figure?
-        report.update(offline_in_fp32(cfg, layout, target_path, ids, rows, k, offline.walk, device))
+        report.update(offline_in_fp32(cfg.target, layout, target_path, ids, rows, k, offline.walk, device))
     if served.exists():
         report["served_benchmark"] = read_json(served)
     ablation = ablation_file(layout)

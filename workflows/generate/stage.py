@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Callable
 
 from eagle3.schema import ConfigError, output_dict
+from eagle3.target_spec import TargetSpec
 from workflows.core.cluster import ensure_ray
-from workflows.core.config import DataSection, FullConfig, resolve_data_path
+from workflows.core.config import DataSection, DatasetSpec, FullConfig, resolve_data_path
 from workflows.core.errors import USER_ERRORS, StageFailure
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
@@ -43,7 +44,7 @@ from workflows.core.markers import (
     write_json_atomic,
 )
 from workflows.core.precision import resolve
-from workflows.core.provenance import identity_for
+from workflows.core.provenance import target_identity
 from workflows.core.stage_metrics import StageMetrics
 from workflows.generate import ingest, offline_sources
 from workflows.generate.regenerate import ShardRegenerator
@@ -51,13 +52,18 @@ from workflows.generate.regenerate import ShardRegenerator
 # ----------------------------------------------------------------------------- ingestion
 
 
-def ingest_mixture(cfg: FullConfig) -> tuple[list[dict], dict[str, Counter]]:
-    if not cfg.mixture:
+def ingest_mixture(
+    mixture: dict[str, DatasetSpec], data: DataSection, cache_path: Path
+) -> tuple[list[dict], dict[str, Counter]]:
+    """The mixture's conversations, normalised and split (data.limit per dataset at most,
+    data.heldout_fraction held out), with each dataset's counts; the offline sources are
+    materialised under `cache_path`."""
+    if not mixture:
         raise ConfigError("mixture: no datasets configured (e.g. mixture=default)")
     rows, counts, seen = [], {}, set()
-    for name, spec in cfg.mixture.items():
+    for name, spec in mixture.items():
         try:
-            got, total, paths = _ingest_one(cfg, name, spec, seen)
+            got, total, paths = _ingest_one(name, spec, data, cache_path, seen)
         except ingest.IngestError as exc:  # name the dataset: a mixture can hold nine
             raise ingest.IngestError(f"mixture.{name}: {exc}") from None
         rows += got
@@ -67,14 +73,16 @@ def ingest_mixture(cfg: FullConfig) -> tuple[list[dict], dict[str, Counter]]:
     return rows, counts
 
 
-def _ingest_one(cfg: FullConfig, name: str, spec, seen: set[str]) -> tuple[list[dict], Counter, list[str]]:
+def _ingest_one(
+    name: str, spec: DatasetSpec, data: DataSection, cache_path: Path, seen: set[str]
+) -> tuple[list[dict], Counter, list[str]]:
     """One dataset of the mixture: its normalised rows, counts and files."""
     rows: list[dict] = []
     if spec.source == "file":
         paths = ingest.expand_paths(str(resolve_data_path(spec.path)) if "://" not in spec.path else spec.path)
     else:
-        paths = [offline_sources.materialise(spec.source, cfg.cache_path)]
-    limit = min(x for x in (spec.limit, cfg.data.limit, 1 << 62) if x is not None)
+        paths = [offline_sources.materialise(spec.source, cache_path)]
+    limit = min(x for x in (spec.limit, data.limit, 1 << 62) if x is not None)
     total = Counter()
     for path in paths:
         if total["conversations"] >= limit:
@@ -87,7 +95,7 @@ def _ingest_one(cfg: FullConfig, name: str, spec, seen: set[str]) -> tuple[list[
             limit - total["conversations"],
             spec.weight,
             spec.split,
-            cfg.data.heldout_fraction,
+            data.heldout_fraction,
             seen,
             log=log,
             prompt_field=spec.prompt_field,
@@ -120,7 +128,7 @@ def engine_count(data: DataSection, pending_shards: int) -> int:
     return max(1, min(data.num_engines, pending_shards))
 
 
-def check_tool_rendering(cfg: FullConfig, target_path: Path, rows: list[dict]) -> None:
+def check_tool_rendering(target: TargetSpec, data: DataSection, target_path: Path, rows: list[dict]) -> None:
     """Conversations with tool turns need a target template that renders them (and writes
     calls in a format eagle3.tool_calls reads): refuse in one line, naming the datasets,
     before any engine starts, rather than failing every shard that holds one."""
@@ -131,9 +139,9 @@ def check_tool_rendering(cfg: FullConfig, target_path: Path, rows: list[dict]) -
 
     from eagle3.chat_template import TemplateError, check_tool_template
 
-    tokenizer = AutoTokenizer.from_pretrained(str(target_path), trust_remote_code=cfg.target.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_path), trust_remote_code=target.trust_remote_code)
     try:
-        family = check_tool_template(tokenizer, enable_thinking=cfg.data.reasoning)
+        family = check_tool_template(tokenizer, enable_thinking=data.reasoning)
     except TemplateError as exc:
         held = ", ".join(f"{name} ({n})" for name, n in sorted(with_tools.items()))
         raise TemplateError(
@@ -287,7 +295,7 @@ def format_accounting(table: dict[str, dict]) -> str:
 def run(cfg: FullConfig, target_path: Path, on_commit: Callable[[int], None] | None = None) -> Path:
     layout = RunLayout.of(cfg)
     out = layout.stage_dir("generate")
-    rows, ingest_counts = ingest_mixture(cfg)
+    rows, ingest_counts = ingest_mixture(cfg.mixture, cfg.data, cfg.cache_path)
     if not rows:
         raise ingest.IngestError(
             f"generate: the mixture {list(cfg.mixture)} yields no usable conversation:\n"
@@ -297,7 +305,7 @@ def run(cfg: FullConfig, target_path: Path, on_commit: Callable[[int], None] | N
     data["dtype"] = resolve(cfg.data.dtype, engine_device(cfg.data))  # what the engines compute in here
     key = {
         "data": data,
-        "target": identity_for(cfg, target_path),
+        "target": target_identity(target_path, cfg.cache_path),
         "seed": cfg.seed,
         # A row's tools only where it has some: the keys of runs without tools stay as they were.
         "prompts": config_hash(
@@ -327,7 +335,7 @@ def run(cfg: FullConfig, target_path: Path, on_commit: Callable[[int], None] | N
             f"({cfg.data.backend} x{engine_count(cfg.data, len(plans))})"
         )
         if plans:
-            check_tool_rendering(cfg, target_path, rows)
+            check_tool_rendering(cfg.target, cfg.data, target_path, rows)
             regenerate_shards(cfg, target_path, plans, layout, on_commit)
         shards = layout.committed_corpus_shards()
         ids = [i for s in shards.values() for i in s["ids"]]

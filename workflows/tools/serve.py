@@ -29,6 +29,7 @@ from pathlib import Path
 
 from eagle3.schema import ConfigError
 from workflows.core.cli import hydra_entry
+from workflows.core.config import EvaluateSection, ServeSection
 from workflows.core.draft_files import EXPORT_CONFIG
 from workflows.core.errors import MissingArtefact
 from workflows.core.layout import RunLayout
@@ -151,13 +152,12 @@ def target_architecture(target_path: str | Path) -> str:
     return archs[0]
 
 
-def drafting_to_serve(cfg) -> tuple[int | None, int | None, int | None]:
-    """(num_steps, topk, num_draft_tokens): the ones given, else those the run's report was
-    evaluated with (else the evaluate config): what is served is what was evaluated."""
-    s = cfg.serve
+def drafting_to_serve(s: ServeSection, e: EvaluateSection, report: Path) -> tuple[int | None, int | None, int | None]:
+    """(num_steps, topk, num_draft_tokens): the ones given in the serve section `s`, else
+    those the run's `report` was evaluated with, else the evaluate section `e`'s: what is
+    served is what was evaluated."""
     if any(v is not None for v in (s.num_steps, s.topk, s.num_draft_tokens)):
         return s.num_steps, s.topk, s.num_draft_tokens
-    report = RunLayout.of(cfg).report_file
     if report.is_file():
         r = ReportHeadline.read(report)
         log(
@@ -165,7 +165,6 @@ def drafting_to_serve(cfg) -> tuple[int | None, int | None, int | None]:
             f"num_draft_tokens={r.num_draft_tokens}"
         )
         return r.num_steps, r.topk, r.num_draft_tokens
-    e = cfg.evaluate
     log("serve: no report yet; drafting as evaluate is configured")
     return e.num_steps, e.topk, e.num_draft_tokens or e.num_steps + 1
 
@@ -182,7 +181,9 @@ def serve(cfg) -> None:
             f"{draft / EXPORT_CONFIG}: no exported draft to serve; run the export stage first "
             "(stages=[export]) or point serve.draft_path at an export"
         )
-    effect = resolve_spec_args(*drafting_to_serve(cfg), target_architecture(target_path))
+    effect = resolve_spec_args(
+        *drafting_to_serve(s, cfg.evaluate, RunLayout.of(cfg).report_file), target_architecture(target_path)
+    )
     for w in effect.warnings:
         log(f"serve: WARNING {w}")
     sides = sides_for_run(cfg, target_path) + [

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from workflows.core.cluster import ensure_ray
+from workflows.core.config import ClusterSection, TrainSection
 from workflows.core.errors import USER_ERRORS
 from workflows.core.log import log
 from workflows.train import checkpoint as ckpt
@@ -70,13 +71,13 @@ def trainer_class():
     return TorchTrainerWithoutCleaner
 
 
-def run_with_ray(cfg, job: TrainJob, train_dir: Path) -> None:
+def run_with_ray(train: TrainSection, cluster: ClusterSection, job: TrainJob, train_dir: Path) -> None:
+    """The job on Ray Train: `train.num_workers` workers on the `cluster` (started or joined)."""
     import ray.train
     from ray.train.torch import TorchConfig
 
     TorchTrainer = trainer_class()
-    train = cfg.train
-    ensure_ray(cfg.cluster)
+    ensure_ray(cluster)
     use_gpu = train.gpus_per_worker > 0
     resources = {"CPU": train.cpus_per_worker, **({"GPU": train.gpus_per_worker} if use_gpu else {})}
     trainer = TorchTrainer(

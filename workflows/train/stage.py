@@ -33,7 +33,7 @@ import torch
 
 from eagle3.schema import ConfigError, output_dict, to_dict
 from storage.store import StoreError
-from workflows.core.config import FullConfig, TrainSection
+from workflows.core.config import DraftSection, FullConfig, TrainSection
 from workflows.core.engine_spec import EngineSpec
 from workflows.core.engines import HFEngine
 from workflows.core.errors import InputError
@@ -41,7 +41,7 @@ from workflows.core.layout import RunLayout
 from workflows.core.log import log
 from workflows.core.markers import read_json, run_stage
 from workflows.core.precision import resolve
-from workflows.core.provenance import FINAL_IS_NORMED, capture_contract, draft_provenance, identity_for
+from workflows.core.provenance import FINAL_IS_NORMED, capture_contract, draft_provenance, target_identity
 from workflows.train import checkpoint as ckpt
 from workflows.train.data import SamplesInMemory
 from workflows.train.trainer import Trainer, TrainJob
@@ -64,9 +64,8 @@ def backend_of(train: TrainSection, source: str) -> str:
     return "plain" if train.backend == "local" else "deepspeed"
 
 
-def resume_fields(cfg: FullConfig, backend: str, store_key: str) -> dict:
+def resume_fields(train: TrainSection, draft: DraftSection, seed: int, backend: str, store_key: str) -> dict:
     """What a checkpoint must agree on to be resumed: the data, the schedule, the maths."""
-    train = cfg.train
     return {
         "data": store_key,
         "ttt": to_dict(train.ttt),
@@ -83,8 +82,8 @@ def resume_fields(cfg: FullConfig, backend: str, store_key: str) -> dict:
             "shuffle_window": train.shuffle_window,
             "grad_accum": train.grad_accum,
         },
-        "draft": to_dict(cfg.draft),
-        "seed": cfg.seed,
+        "draft": to_dict(draft),
+        "seed": seed,
         "compute_dtype": train.compute_dtype,
         "zero_stage": train.zero_stage if backend == "deepspeed" else None,
         "init_from": train.init_from,
@@ -122,7 +121,7 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     layout = RunLayout.of(cfg)
     out = layout.stage_dir("train")
     _, vocab_summary = layout.read_vocab()
-    identity = identity_for(cfg, target_path)
+    identity = target_identity(target_path, cfg.cache_path)
     key = {
         "train": output_dict(cfg.train),
         "draft": output_dict(cfg.draft),
@@ -148,11 +147,12 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     return run_stage("train", out, key, build)
 
 
-def resumable_checkpoint(cfg: FullConfig, layout: RunLayout, backend: str, fields: dict) -> Path | None:
-    """The latest checkpoint to resume from (None: start afresh); one whose data, maths or
-    schedule differ is refused here, naming them, before any worker starts."""
+def resumable_checkpoint(resume: bool, layout: RunLayout, backend: str, fields: dict) -> Path | None:
+    """The latest checkpoint to resume from (None: start afresh, the old ones removed when
+    `resume` is off); one whose data, maths or schedule differ is refused here, naming them,
+    before any worker starts."""
     out = layout.stage_dir("train")
-    if not cfg.train.resume:
+    if not resume:
         for folder in (ckpt.ray_run_dir(out), layout.checkpoint_dir):
             shutil.rmtree(folder, ignore_errors=True)
     latest = ckpt.latest_checkpoint(out, backend)
@@ -176,7 +176,7 @@ def train_from_store(
     cfg: FullConfig, layout: RunLayout, target_path: Path, identity: dict, provenance: dict, backend: str
 ) -> dict:
     out = layout.stage_dir("train")
-    expect = capture_contract(cfg, identity)
+    expect = capture_contract(cfg.target, cfg.capture, identity)
     reader = layout.open_store(expect=expect)
     train_shards, heldout_shards = reader.shard_names("train"), reader.shard_names("heldout")
     if not train_shards:
@@ -187,8 +187,8 @@ def train_from_store(
         )
     if not heldout_shards:
         log("train: the store has no held-out shard (data.heldout_fraction too small?); evaluating on train data")
-    fields = resume_fields(cfg, backend, layout.require_done("capture"))
-    latest = resumable_checkpoint(cfg, layout, backend, fields)
+    fields = resume_fields(cfg.train, cfg.draft, cfg.seed, backend, layout.require_done("capture"))
+    latest = resumable_checkpoint(cfg.train.resume, layout, backend, fields)
     job = TrainJob(
         config=job_config(cfg),
         target_path=str(Path(target_path).resolve()),
@@ -211,7 +211,7 @@ def train_from_store(
     if backend == "deepspeed":
         from workflows.train.ray_job import run_with_ray
 
-        run_with_ray(cfg, job, out)
+        run_with_ray(cfg.train, cfg.cluster, job, out)
     else:
         Trainer(job).fit(latest)
     return read_json(layout.metrics_file)
@@ -267,8 +267,9 @@ def train_online(cfg: FullConfig, layout: RunLayout, target_path: Path, provenan
     }
     pad_id, final_is_normed = engine.pad_id, engine.final_is_normed
     del engine  # the target's layers are no longer needed; keep memory for training
-    fields = resume_fields(cfg, "plain", f"online:{layout.require_done('generate')}:{layout.require_done('vocab')}")
-    latest = resumable_checkpoint(cfg, layout, "plain", fields)
+    online_key = f"online:{layout.require_done('generate')}:{layout.require_done('vocab')}"
+    fields = resume_fields(cfg.train, cfg.draft, cfg.seed, "plain", online_key)
+    latest = resumable_checkpoint(cfg.train.resume, layout, "plain", fields)
     log(
         f"train: {len(train_rows)} train / {len(heldout_rows)} held-out samples (online, in this process), "
         f"{cfg.train.steps} steps"

@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 
 from eagle3.modeling import Eagle3Draft
+from eagle3.target_spec import TargetSpec
 from eagle3.training import LoopHooks, PlainOptimizer, fit, make_optimizer
 from storage.reader import StoreReader
-from workflows.core.config import FullConfig
+from workflows.core.config import DraftSection, FullConfig
 from workflows.core.draft_files import load_draft_weights, save_draft
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
@@ -66,17 +67,20 @@ def batch_settings(train, pad_id: int) -> BatchSettings:
     )
 
 
-def build_draft(cfg: FullConfig, target_path: str, vocab) -> Eagle3Draft:
+def build_draft(
+    section: DraftSection, target: TargetSpec, target_path: str, vocab, *, seed: int, init_from: str | None = None
+) -> Eagle3Draft:
     """The draft at its seeded initialisation, with the target's embeddings and the vocab map;
-    the same on every worker."""
-    torch.manual_seed(cfg.seed)
-    draft = Eagle3Draft(cfg.draft.build(cfg.target, vocab.d2t.numel()))
+    the same on every worker. `init_from`: a trained draft to warm-start from (weights only,
+    a fresh optimizer and schedule)."""
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(section.build(target, vocab.d2t.numel()))
     draft.load_target_embeddings(read_embeddings(Path(target_path)).float())
     draft.set_vocab_mapping(vocab.d2t, vocab.t2d)
-    if cfg.draft.init_head == "target":
+    if section.init_head == "target":
         draft.init_head_from_target(*read_head_and_norm(Path(target_path)))
-    if cfg.train.init_from:  # warm start: weights only, a fresh optimizer and schedule
-        load_draft_weights(Path(cfg.train.init_from), draft)
+    if init_from:
+        load_draft_weights(Path(init_from), draft)
     return draft
 
 
@@ -164,7 +168,9 @@ class Trainer:
         self.device = device or torch.device(cfg.train.device if job.backend == "plain" else "cpu")
         self.layout = RunLayout.of(cfg)
         vocab, _ = self.layout.read_vocab()
-        draft = build_draft(cfg, job.target_path, vocab).to(self.device)
+        draft = build_draft(
+            cfg.draft, cfg.target, job.target_path, vocab, seed=cfg.seed, init_from=cfg.train.init_from
+        ).to(self.device)
         head_dtype = torch.bfloat16 if cfg.train.compute_dtype == "bfloat16" else torch.float32
         self.head = read_target_head(Path(job.target_path), job.final_is_normed).to(self.device, head_dtype)
         self.reader = (
