@@ -12,7 +12,7 @@ reported with its error and the next still runs):
 
 1. `gpu_tests`: the `gpu`-marked tests that need only torch (flex against dense, forward and
    backward, on the device; flex memory linear in length; the store's batches pinned and on
-   the device), by pytest in a child process.
+   the device), by pytest in a child process (the dry run collects them only: CI runs them).
 2. `train_step`: our training step (eagle3.training.train_step, the one production runs)
    beside SpecForge 0.2.0's (bench.specforge_step) at Llama-3.1-8B draft shapes, TTT 7,
    batch 1, bf16, T = 2048, 4096, 8192: tokens/s, peak GiB, MFU against a bf16 matmul
@@ -67,6 +67,9 @@ class Plan:
     capture_samples: int
     capture_length: int
     loss_block_rows: int  # the second variant of our step: train.objective.loss_block_rows
+    # gpu_tests: run them (on the GPU), or only collect them (the dry run: CI runs the same
+    # tests itself on the CPU, so the rehearsal checks the selection, not the tests twice).
+    run_gpu_tests: bool = True
     partial: Path | None = None  # where train_step writes its rows as they finish (a timeout keeps them)
 
     @classmethod
@@ -103,6 +106,7 @@ class Plan:
             capture_samples=8,
             capture_length=48,
             loss_block_rows=16,
+            run_gpu_tests=False,
         )
 
 
@@ -129,6 +133,8 @@ def gpu_tests(plan: Plan) -> dict:
     """The torch-only `gpu` tests, in a child process (pytest's own run, its own exit code)."""
     files = ["tests/test_attention_scale.py", "tests/test_device_batches.py"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files]
+    if not plan.run_gpu_tests:
+        cmd.append("--collect-only")
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     tail = (done.stdout + done.stderr).strip().splitlines()
     summary = tail[-1] if tail else ""

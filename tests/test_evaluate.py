@@ -173,7 +173,7 @@ def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target,
     retrained = tiny_cfg(
         tiny_target,
         tmp_path / "run",
-        "train.steps=30",
+        "train.steps=8",
         "evaluate.max_prompts=4",
         "evaluate.max_new_tokens=20",
         "evaluate.num_steps=3",
