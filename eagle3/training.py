@@ -260,12 +260,16 @@ class LoopHooks:
     checkpoint: Callable[[int, dict | None, dict | None], None] | None = None  # (steps done, best, last eval)
     # (this worker's loss, tokens) -> the mean loss and the total tokens over all workers
     reduce: Callable[[float, int], tuple[float, int]] | None = None
+    # (steps done, state) after each evaluation -> True ends the run there: an early stop
+    # (bench.bench_quality's patience); the step is logged, and checkpointed where due
+    stop: Callable[[int, "LoopState"], bool] | None = None
 
 
 @dataclass
 class LoopState:
     last_eval: dict | None = None
     best: dict | None = None  # {"step", "acceptance_walk"} of the best evaluation so far
+    stopped_at: int | None = None  # steps done when `LoopHooks.stop` ended the run early
 
 
 def fit(
@@ -303,21 +307,34 @@ def fit(
             walk = state.last_eval["acceptance_walk"] if state.last_eval else None
             if walk is not None and (state.best is None or walk > state.best["acceptance_walk"]):
                 state.best = {"step": done, "acceptance_walk": walk}
-        if hooks.log is not None and (done % cfg.log_every == 0 or step == 0 or done == cfg.steps):
+            if hooks.stop is not None and done < cfg.steps and hooks.stop(done, state):
+                state.stopped_at = done
+        last = done == cfg.steps or state.stopped_at is not None
+        if hooks.log is not None and (done % cfg.log_every == 0 or step == 0 or last):
             record["tokens_per_s"] = tokens_since / max(time.perf_counter() - t0, 1e-9)
             hooks.log(record)
             t0, tokens_since = time.perf_counter(), 0
         if checkpoint_now:
             hooks.checkpoint(done, state.best, state.last_eval)
+        if state.stopped_at is not None:
+            break
     return state
 
 
 def train_in_memory(
-    draft: Eagle3Draft, head: TargetHead, batches: list[dict], cfg: LoopConfig, eval_batches: list[dict] | None = None
+    draft: Eagle3Draft,
+    head: TargetHead,
+    batches: list[dict],
+    cfg: LoopConfig,
+    eval_batches: list[dict] | None = None,
+    *,
+    eval_cfg: LoopConfig | None = None,
+    stop: Callable[[int, LoopState], bool] | None = None,
 ) -> list[dict]:
     """`fit` with the plain optimizer over `batches`, one a step, in turn; returns the logged
     records (step 0, every `log_every` steps, the last), each with its held-out figures
-    (`evaluate` on `eval_batches`) where one was due."""
+    (`evaluate` on `eval_batches`, with `eval_cfg`'s TTT length and k, default `cfg`'s) where
+    one was due. `stop` may end the run early after an evaluation (`LoopHooks.stop`)."""
     if not batches:
         raise ValueError("train_in_memory got no batches")
     torch.manual_seed(cfg.seed)
@@ -326,7 +343,8 @@ def train_in_memory(
     history: list[dict] = []
     hooks = LoopHooks(
         log=history.append,
-        evaluate=None if eval_batches is None else (lambda: evaluate(draft, head, eval_batches, cfg)),
+        evaluate=None if eval_batches is None else (lambda: evaluate(draft, head, eval_batches, eval_cfg or cfg)),
+        stop=stop,
     )
     fit(PlainOptimizer(draft, cfg.optim), head, lambda: [batches[next(taken) % len(batches)]], cfg, generator, hooks)
     return history

@@ -54,12 +54,24 @@ def memorised(tiny_target, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def corpus(tiny_target, tmp_path_factory):
-    """A generated corpus (12 conversations of the tiny target, tests.test_capture.cfg_for),
-    for the capture tests, which copy it (tests.test_capture.run_dir_with_corpus); once per
-    session, however many modules use it."""
-    from tests.test_capture import cfg_for
+    """A generated corpus (12 conversations of the tiny target, tests.helpers.cfg_for), for
+    the capture tests, which copy it (tests.helpers.run_dir_with_corpus); once per session,
+    however many modules use it."""
+    from tests.helpers import cfg_for
     from workflows.generate import stage as generate
 
     run_dir = tmp_path_factory.mktemp("corpus")
     generate.run(cfg_for(tiny_target, run_dir), tiny_target)
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray per test session (starting it takes seconds on 2 cores)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="warning"
+        )
+    yield ray

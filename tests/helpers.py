@@ -199,3 +199,36 @@ def contract_of(cfg, identity) -> dict:
     from workflows.core.provenance import capture_contract
 
     return capture_contract(cfg.target, cfg.capture, identity)
+
+
+def cfg_for(tiny_target, run_dir, *extra):
+    """The capture tests' config: 12 conversations of the tiny target, fp32, shards of 3."""
+    from workflows.core.config import compose
+
+    return compose(
+        [
+            "target=tiny",
+            "mixture=bundled",
+            f"cache_dir={tiny_target.parent.parent}",
+            f"run_dir={run_dir}",
+            "data.limit=12",
+            "data.max_new_tokens=16",
+            "data.heldout_fraction=0.25",
+            "capture.shard_samples=3",
+            "capture.shards_per_call=2",
+            "capture.micro_batch_tokens=256",
+            "cluster.dashboard=false",
+            "cluster.num_cpus=2",
+            "data.dtype=float32",
+            "capture.dtype=float32",
+            *extra,
+        ]
+    )
+
+
+def run_dir_with_corpus(corpus, tmp_path):
+    """A run folder holding a copy of the `corpus` fixture's generated corpus."""
+    import shutil
+
+    shutil.copytree(corpus / "generate", tmp_path / "generate")
+    return tmp_path

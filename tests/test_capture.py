@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,50 +14,10 @@ from storage.reader import StoreReader
 from storage.store import ProvenanceMismatch
 from storage.verify import verify
 from tests.faults import capture_faults
-from tests.helpers import corpus_rows
+from tests.helpers import cfg_for, corpus_rows, run_dir_with_corpus
 from workflows.capture import plan as capture_plan
 from workflows.capture import stage as capture
-from workflows.core.config import compose
 from workflows.core.errors import USER_ERRORS, InputError, StageFailure
-
-
-def cfg_for(tiny_target, run_dir, *extra):
-    return compose(
-        [
-            "target=tiny",
-            "mixture=bundled",
-            f"cache_dir={tiny_target.parent.parent}",
-            f"run_dir={run_dir}",
-            "data.limit=12",
-            "data.max_new_tokens=16",
-            "data.heldout_fraction=0.25",
-            "capture.shard_samples=3",
-            "capture.shards_per_call=2",
-            "capture.micro_batch_tokens=256",
-            "cluster.dashboard=false",
-            "cluster.num_cpus=2",
-            "data.dtype=float32",
-            "capture.dtype=float32",
-            *extra,
-        ]
-    )
-
-
-@pytest.fixture(scope="session")
-def ray_local():
-    """One local Ray per test session (starting it takes seconds on 2 cores)."""
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(
-            address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="warning"
-        )
-    yield ray
-
-
-def run_dir_with_corpus(corpus, tmp_path) -> Path:
-    shutil.copytree(corpus / "generate", tmp_path / "generate")
-    return tmp_path
 
 
 def test_capture_is_bit_exact_and_resumes_after_a_crash(tiny_target, corpus, tmp_path, ray_local):

@@ -19,7 +19,7 @@ from storage.reader import StoreReader
 from storage.states import decode_batch, dequantize, dequantize_int8, encode_states, quantize_int8
 from storage.store import HiddenStateStore, ProvenanceMismatch, ShardData, StoreError
 from storage.verify import verify
-from tests.test_capture import cfg_for, ray_local, run_dir_with_corpus  # noqa: F401 (a fixture)
+from tests.helpers import cfg_for, run_dir_with_corpus
 from tests.test_store import IDS, H, provenance
 
 BF16_EPS = 2.0**-8  # bf16's unit roundoff: the reader's one rounding of q * s

@@ -348,48 +348,76 @@ def test_the_target_head_and_embeddings_are_read_alone_and_equal_the_models(tiny
         read_embeddings(empty)
 
 
-def test_quality_ablation_bench_runs_its_grid_on_a_validation_split(tiny_target, captured, tmp_path):
-    """bench.bench_quality end to end on the tiny store: two settings, decoded chain and tree,
-    lossless, the table written; never reading the held-out shards."""
+def test_quality_ablation_bench_runs_its_grid_on_a_validation_split(tiny_target, captured, tmp_path, capsys):
+    """bench.bench_quality end to end on the tiny store: two settings walked every step with
+    an early stop, each scored with its best walk's weights; only the finalists decoded,
+    chain and tree, lossless; the table written; a rerun trains nothing it kept; never
+    reading the held-out shards."""
     from bench import bench_quality
 
     run_dir = copy_run(captured, tmp_path / "run")
     out = tmp_path / "ablation"
-    bench_quality.main(
-        [
-            "--overrides",
-            *overrides(tiny_target, run_dir, "evaluate.num_steps=3"),
-            "--only",
-            "base",
-            "fc_norm",
-            "--steps",
-            "3",
-            "--seeds",
-            "0",
-            "--validation-fraction",
-            "0.3",
-            "--decode-prompts",
-            "2",
-            "--decode-tokens",
-            "6",
-            "--jobs",
-            "1",
-            "--out",
-            str(out),
-        ]
-    )
+    args = [
+        "--overrides",
+        *overrides(tiny_target, run_dir, "evaluate.num_steps=3"),
+        "--only",
+        "base",
+        "fc_norm",
+        "--steps",
+        "6",
+        "--seeds",
+        "0",
+        "--validation-fraction",
+        "0.3",
+        "--eval-every",
+        "1",
+        "--patience",
+        "2",
+        "--decode-prompts",
+        "2",
+        "--decode-tokens",
+        "6",
+    ]
+    bench_quality.main([*args, "--finalists", "0", "--out", str(out)])
     result = json.loads(out.with_suffix(".json").read_text())
     assert [r["name"] for r in result["table"]] == ["base", "fc_norm"]
+    assert result["meta"]["finalists"] == ["base"]  # the baseline always, then the 0 best others
+    base, fc_norm = result["table"]
+    assert base["lossless"] and 1 <= base["decoded_chain"][0] <= 4 and 1 <= base["decoded_tree"][0] <= 6
+    assert fc_norm["decoded_chain"] is None and fc_norm["decoded_tree"] is None
     for row in result["table"]:
-        assert row["lossless"] and 1 <= row["decoded_chain"][0] <= 4 and 1 <= row["decoded_tree"][0] <= 6
         assert len(row["step_acc"]) == 3 and row["train_tokens_per_s"][0] > 1
+    for trial in result["trials"]:
+        steps, walks, alpha0 = zip(*trial["curve"])
+        assert list(steps) == list(range(1, trial["steps_done"] + 1))  # walked every step
+        # Early stop: two walks with no new best end the trial (or it ran its 6 steps).
+        assert trial["steps_done"] == 6 or trial["steps_done"] - trial["best_step"] == 2, trial
+        # Scored with the best walk's weights (restored where a later step was worse).
+        best = walks.index(max(walks))
+        assert trial["best_step"] == steps[best]
+        assert trial["acceptance_walk"] == walks[best] and trial["step_alpha"][0] == alpha0[best], trial
+    # This store's walks tie early: the stop and the restore both happen (not only the end).
+    assert any(t["steps_done"] < 6 and t["curve"][-1][2] != t["step_alpha"][0] for t in result["trials"])
     from storage.reader import StoreReader
 
     reader = StoreReader(str(run_dir / "store"))
     train = {i for i, (shard, _) in reader.index.items() if shard in reader.shard_names("train")}
     meta = result["meta"]
     assert meta["val"] >= 1 and meta["fit"] + meta["val"] == len(train) < len(reader.index)  # never the held-out
-    assert "| fc_norm |" in out.with_suffix(".md").read_text()
+    assert "| fc_norm | - | - |" in out.with_suffix(".md").read_text()
+
+    # A rerun with one more finalist trains nothing: it decodes fc_norm's kept weights.
+    weights = sorted((out.parent / "trials").glob("*.safetensors"))
+    stamps = [w.stat().st_mtime_ns for w in weights]
+    capsys.readouterr()
+    bench_quality.main([*args, "--finalists", "1", "--out", str(out)])
+    assert "0 to train (2 reused" in capsys.readouterr().out
+    assert [w.stat().st_mtime_ns for w in weights] == stamps
+    again = json.loads(out.with_suffix(".json").read_text())
+    assert again["meta"]["finalists"] == ["base", "fc_norm"]
+    assert again["table"][0] == base  # reused as it was, decoded figures included
+    assert again["table"][1]["lossless"] and 1 <= again["table"][1]["decoded_chain"][0] <= 4
+    assert again["table"][1]["acceptance_walk"] == fc_norm["acceptance_walk"]
 
 
 def test_the_validation_split_is_drawn_independently_of_the_heldout_split():

@@ -1,0 +1,77 @@
+"""The training loop's early stop (`LoopHooks.stop`, used by bench.bench_quality's patience):
+it ends the run at the step it names, with the weights a full run has at that step, and
+evaluating along the way changes nothing in training."""
+
+import torch
+
+from eagle3.modeling import Eagle3Draft
+from eagle3.target_features import capture_batch
+from eagle3.target_head import TargetHead
+from eagle3.training import LoopConfig, OptimConfig, train_in_memory
+from eagle3.ttt import NoiseConfig, TTTConfig
+from eagle3.vocab import build_draft_vocab, count_tokens
+from tests.helpers import tiny_draft_config, tiny_hf_llama
+
+LAYERS = [0, 2, 4]
+
+
+def setup():
+    target = tiny_hf_llama(num_layers=6, hidden=24, vocab=97, dtype=torch.float32)
+    texts = torch.randint(3, 97, (4, 16), generator=torch.Generator().manual_seed(1)).tolist()
+    masks = [[0] * 5 + [1] * 11] * 4
+    batches = [capture_batch(target, texts[i : i + 2], masks[i : i + 2], LAYERS, dtype=torch.float32) for i in (0, 2)]
+    head = TargetHead(target.lm_head.weight.float())
+    cfg = LoopConfig(
+        steps=10,
+        ttt=TTTConfig(length=3, noise=NoiseConfig(kind="gaussian", std=0.05)),  # noise: the RNG is in use
+        optim=OptimConfig(lr=3e-3, warmup_steps=2),
+        compute_dtype="float32",
+        acceptance_k=2,
+        eval_every=2,
+        log_every=4,  # step 6 is logged only because the run stops there
+    )
+    return target, batches, head, cfg
+
+
+def fresh_draft(target, batch) -> Eagle3Draft:
+    torch.manual_seed(1)
+    draft = Eagle3Draft(tiny_draft_config(hidden_size=24, head_dim=6, intermediate_size=48, draft_vocab_size=64))
+    draft.load_target_embeddings(target.get_input_embeddings().weight.float())
+    v = build_draft_vocab(count_tokens(batch["input_ids"], batch["loss_mask"], 97), 64, warn=lambda m: None)
+    draft.set_vocab_mapping(v.d2t, v.t2d)
+    return draft
+
+
+def weights(draft) -> dict:
+    return {n: p.detach().clone() for n, p in draft.named_parameters() if p.requires_grad}
+
+
+def test_a_stop_ends_the_run_at_its_step_with_the_full_runs_weights_there():
+    target, batches, head, cfg = setup()
+    runs = {}
+    for name, stop_at, evaluated in (("stopped", 6, True), ("full", None, True), ("blind", None, False)):
+        draft = fresh_draft(target, batches[0])
+        seen: dict = {}
+
+        def stop(done, state, draft=draft, seen=seen, stop_at=stop_at):
+            seen[done] = weights(draft)
+            assert state.best is not None and state.best["step"] <= done
+            return done == stop_at
+
+        history = train_in_memory(
+            draft, head, batches, cfg, batches if evaluated else None, stop=stop if evaluated else None
+        )
+        runs[name] = (history, seen, weights(draft))
+
+    history, seen, final = runs["stopped"]
+    assert [r["step"] + 1 for r in history if "eval" in r] == [4, 6]  # logged evaluations, then the stop
+    assert sorted(seen) == [2, 4, 6]
+    full_history, full_seen, full_final = runs["full"]
+    assert sorted(full_seen) == [2, 4, 6, 8]  # never asked at the last step: the run ends anyway
+    assert [r["step"] + 1 for r in full_history if "eval" in r] == [4, 8, 10]
+    for n in final:  # the stopped run's weights are the full run's at step 6 (same schedule)
+        assert torch.equal(final[n], full_seen[6][n]), n
+    blind_final = runs["blind"][2]
+    for n in full_final:  # evaluations draw nothing from the training's RNG
+        assert torch.equal(full_final[n], blind_final[n]), n
+    assert any(not torch.equal(full_final[n], final[n]) for n in final)  # the stop really cut training
