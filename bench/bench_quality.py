@@ -43,6 +43,7 @@ import os
 import random
 import statistics
 import sys
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -160,8 +161,23 @@ _DATA: dict = {}  # each worker process reads the store once (initializer), not 
 
 
 def load_into_worker(overrides: list[str], fraction: float, threads: int) -> None:
+    exit_with_parent()
     _, _, _DATA["fit"], _DATA["val"], _DATA["final_is_normed"], _ = load_split(overrides, fraction)
     _DATA["threads"] = threads
+
+
+def exit_with_parent(every_s: float = 2.0) -> None:
+    """End this pool worker when the bench that started it is gone: a killed parent
+    (SIGTERM, SIGKILL) leaves its spawned workers running, reparented, holding the cores for
+    the rest of their trials."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
 
 
 def trial_key(args: dict) -> str:
@@ -229,16 +245,26 @@ def run_trial(args: dict) -> dict:
     val_cfg = validation_cfg(cfg)
     val_batches = [collate_samples(val[i : i + 4]) for i in range(0, len(val), 4)]
     kept: dict = {}
+    walks: list = []  # [steps done, walk, step-0 acceptance rate], written as the trial goes
+    partial = trial_file(args, "partial.json")
+    t0 = time.perf_counter()
 
     def keep_best(done: int, state) -> bool:
         # Evaluating changes nothing in training (no noise, no RNG draw): the weights at a
         # step are those of a run that never evaluated.
         if state.best["step"] == done:
             kept.update(step=done, weights={n: p.detach().clone() for n, p in trainable(draft)})
+        walks.append((done, state.last_eval["acceptance_walk"], state.last_eval["step_alpha"][0]))
+        # A killed trial leaves its walks behind (the trial itself restarts from step 0)
+        write_json(partial, {"name": args["name"], "seed": args["seed"], "steps": cfg.train.steps, "curve": walks})
+        print(
+            f"    {args['name']} seed {args['seed']}: step {done}/{cfg.train.steps} walk {walks[-1][1]:.3f} "
+            f"(best {state.best['acceptance_walk']:.3f} at {state.best['step']}), {time.perf_counter() - t0:.0f} s",
+            flush=True,
+        )
         return bool(args["patience"]) and done - state.best["step"] >= args["patience"] * eval_every
 
     train_cfg = dataclasses.replace(cfg.train, eval_every=eval_every, log_every=eval_every)
-    t0 = time.perf_counter()
     history = train_in_memory(
         draft, head, order[: cfg.train.steps], train_cfg, val_batches, eval_cfg=val_cfg, stop=keep_best
     )
@@ -270,6 +296,7 @@ def run_trial(args: dict) -> dict:
     save_file(dict(trainable(draft)), str(weights) + ".tmp")
     os.replace(str(weights) + ".tmp", weights)
     write_json(trial_file(args, "json"), out)  # last: the trial's mark of done
+    partial.unlink(missing_ok=True)
     return out
 
 
@@ -487,11 +514,18 @@ def decode_one(args: dict) -> dict:
 
 
 def run_all(fn, trials: list[dict], a, threads: int):
-    """(trial, fn(trial)) as each finishes: in this process at --jobs 1, else in a pool."""
-    if a.jobs == 1 or len(trials) <= 1:  # in this process: no start-up of another interpreter
-        for t in trials:
-            yield t, fn(t)
-        return
+    """(trial, fn(trial)) in order: `--jobs` at a time in a pool of workers with `threads`
+    each, and what is left over when fewer than `--jobs` remain in this process, with every
+    core (no start-up of another interpreter, no core left idle)."""
+    pooled = len(trials) - len(trials) % a.jobs if a.jobs > 1 else 0
+    if pooled:
+        yield from run_pooled(fn, trials[:pooled], a, threads)
+    _DATA["threads"] = os.cpu_count() or 1
+    for t in trials[pooled:]:
+        yield t, fn(t)
+
+
+def run_pooled(fn, trials: list[dict], a, threads: int):
     # Spawned, not forked: this process has run torch (greedy answers, int8 dequantised on
     # read), and a fork of a process whose OpenMP pool has started can deadlock in the child
     # (the int8 trials sat idle at --jobs 2 when forked).

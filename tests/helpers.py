@@ -79,7 +79,10 @@ def kill_run(proc, timeout: float = 60) -> None:
     import subprocess
     import time
 
-    os.killpg(proc.pid, signal.SIGKILL)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the group is gone already; its session may not be
+        pass
     proc.wait()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

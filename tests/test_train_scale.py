@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -418,6 +419,41 @@ def test_quality_ablation_bench_runs_its_grid_on_a_validation_split(tiny_target,
     assert again["table"][0] == base  # reused as it was, decoded figures included
     assert again["table"][1]["lossless"] and 1 <= again["table"][1]["decoded_chain"][0] <= 4
     assert again["table"][1]["acceptance_walk"] == fc_norm["acceptance_walk"]
+
+
+def test_a_killed_quality_bench_takes_its_pool_workers_with_it(tiny_target, captured, tmp_path):
+    """SIGKILL of the bench's own process (as `pkill -f bench.bench_quality` does: the
+    spawned workers' command lines do not name the bench) ends its pool workers too, and
+    each trial has written its walks so far."""
+    run_dir = copy_run(captured, tmp_path / "run")
+    cmd = [sys.executable, "-m", "bench.bench_quality", "--overrides", *overrides(tiny_target, run_dir)]
+    cmd += ["--only", "base", "--steps", "100000", "--seeds", "0", "1", "--validation-fraction", "0.3"]
+    cmd += ["--eval-every", "1", "--patience", "0", "--decode-prompts", "0", "--jobs", "2"]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+    trials = run_dir / "ablation" / "trials"
+    try:
+        deadline = time.monotonic() + 300
+        while len(list(trials.glob("*.partial.json"))) < 2:  # both trials have walked
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
+            time.sleep(0.5)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        workers = [c for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+        assert len(workers) == 2, children
+        os.kill(proc.pid, signal.SIGKILL)  # the parent only
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{w}").exists() for w in workers):
+            assert time.monotonic() < deadline, f"pool workers {workers} outlived the killed bench"
+            time.sleep(0.2)
+    finally:
+        kill_run(proc)
+    for partial in trials.glob("*.partial.json"):
+        curve = json.loads(partial.read_text())["curve"]
+        assert [c[0] for c in curve] == list(range(1, len(curve) + 1)), curve  # every step, in order
+    assert not list(trials.glob("*-????????????.json"))  # no trial marked done
 
 
 def test_the_validation_split_is_drawn_independently_of_the_heldout_split():
