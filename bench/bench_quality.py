@@ -27,7 +27,8 @@ validation part every `--eval-every` steps (default once an epoch). It stops ear
 One trial at a time by default, with every core (`--jobs N` shares the cores out between N
 trials: on two cores two single-thread trials contend for memory bandwidth and caches).
 Each finished trial is kept in `<out>/../trials/` (its figures and trained weights), so a
-rerun, or one with more settings or seeds, trains only what is new. Each setting runs once
+rerun, or one with more settings or seeds, trains only what is new; a trial killed mid-run
+goes on from its last walk (`<trial>.resume.pt`, written at each walk). Each setting runs once
 per seed; the table gives mean and spread (min-max) over seeds. Written to
 `<run_dir>/ablation/ablation.{json,md}`; the evaluate stage's report includes the table.
 """
@@ -244,33 +245,61 @@ def run_trial(args: dict) -> dict:
     eval_every = args["eval_every"] or len(epoch_batches)  # default: once an epoch
     val_cfg = validation_cfg(cfg)
     val_batches = [collate_samples(val[i : i + 4]) for i in range(0, len(val), 4)]
+    # [steps done, walk, step-0 acceptance rate] at each walk, and the weights of the best
+    # one: restored, with the loop's state, from a killed trial's last walk
+    walks: list = []
     kept: dict = {}
-    walks: list = []  # [steps done, walk, step-0 acceptance rate], written as the trial goes
-    partial = trial_file(args, "partial.json")
+    partial, resumable = trial_file(args, "partial.json"), trial_file(args, "resume.pt")
+    resume = None
+    if resumable.exists():  # written by this bench (weights_only: tensors and plain data)
+        try:
+            saved = torch.load(resumable, weights_only=True)
+        except Exception as e:  # noqa: BLE001 (any unreadable file gets the same advice)
+            raise SystemExit(f"{resumable}: unreadable ({e}); delete it to train this trial from step 0") from e
+        draft.load_state_dict(saved["weights"], strict=False)
+        walks, kept, resume = [tuple(w) for w in saved["walks"]], saved["kept"], saved["loop"]
+        print(f"    {args['name']} seed {args['seed']}: resumed at step {resume['step']}", flush=True)
+    start = resume["step"] if resume else 0
+    seconds_before = saved["train_s"] if resume else 0.0  # training time of the killed runs
     t0 = time.perf_counter()
 
-    def keep_best(done: int, state) -> bool:
+    def stopped(done: int, best: dict) -> bool:
+        return bool(args["patience"]) and done - best["step"] >= args["patience"] * eval_every
+
+    def at_walk(done: int, best: dict, last_eval: dict, loop: dict) -> None:
         # Evaluating changes nothing in training (no noise, no RNG draw): the weights at a
         # step are those of a run that never evaluated.
-        if state.best["step"] == done:
+        if best["step"] == done:
             kept.update(step=done, weights={n: p.detach().clone() for n, p in trainable(draft)})
-        walks.append((done, state.last_eval["acceptance_walk"], state.last_eval["step_alpha"][0]))
-        # A killed trial leaves its walks behind (the trial itself restarts from step 0)
+        walks.append((done, last_eval["acceptance_walk"], last_eval["step_alpha"][0]))
+        train_s = seconds_before + time.perf_counter() - t0
+        state = {"weights": dict(trainable(draft)), "walks": walks, "kept": kept, "loop": loop, "train_s": train_s}
+        torch.save(state, str(resumable) + ".tmp")
+        os.replace(str(resumable) + ".tmp", resumable)
+        # After the resume state: a walk the curve shows is one a rerun goes on from
         write_json(partial, {"name": args["name"], "seed": args["seed"], "steps": cfg.train.steps, "curve": walks})
         print(
             f"    {args['name']} seed {args['seed']}: step {done}/{cfg.train.steps} walk {walks[-1][1]:.3f} "
-            f"(best {state.best['acceptance_walk']:.3f} at {state.best['step']}), {time.perf_counter() - t0:.0f} s",
+            f"(best {best['acceptance_walk']:.3f} at {best['step']}), {time.perf_counter() - t0:.0f} s",
             flush=True,
         )
-        return bool(args["patience"]) and done - state.best["step"] >= args["patience"] * eval_every
 
-    train_cfg = dataclasses.replace(cfg.train, eval_every=eval_every, log_every=eval_every)
-    history = train_in_memory(
-        draft, head, order[: cfg.train.steps], train_cfg, val_batches, eval_cfg=val_cfg, stop=keep_best
-    )
-    train_s = time.perf_counter() - t0
-    # [steps done, walk, step-0 acceptance rate] at each validation walk
-    curve = [(r["step"] + 1, r["eval"]["acceptance_walk"], r["eval"]["step_alpha"][0]) for r in history if "eval" in r]
+    # checkpoint_every = eval_every: the loop checkpoints right after each walk (and its stop)
+    train_cfg = dataclasses.replace(cfg.train, eval_every=eval_every, log_every=eval_every, checkpoint_every=eval_every)
+    if not (resume and (start == cfg.train.steps or stopped(start, resume["best"]))):  # killed before its end
+        train_in_memory(
+            draft,
+            head,
+            order[: cfg.train.steps],
+            train_cfg,
+            val_batches,
+            eval_cfg=val_cfg,
+            stop=lambda done, state: stopped(done, state.best),
+            checkpoint=at_walk,
+            resume=resume,
+        )
+    train_s = seconds_before + time.perf_counter() - t0
+    curve = walks
     done = curve[-1][0]
     best_step = max(curve, key=lambda c: c[1])[0]  # the first of equal walks, as LoopState.best
     if best_step != done:  # the last step's weights are the model's own; restore the best's
@@ -297,6 +326,7 @@ def run_trial(args: dict) -> dict:
     os.replace(str(weights) + ".tmp", weights)
     write_json(trial_file(args, "json"), out)  # last: the trial's mark of done
     partial.unlink(missing_ok=True)
+    resumable.unlink(missing_ok=True)
     return out
 
 

@@ -330,21 +330,40 @@ def train_in_memory(
     *,
     eval_cfg: LoopConfig | None = None,
     stop: Callable[[int, LoopState], bool] | None = None,
+    checkpoint: Callable[[int, dict | None, dict | None, dict], None] | None = None,
+    resume: dict | None = None,
 ) -> list[dict]:
     """`fit` with the plain optimizer over `batches`, one a step, in turn; returns the logged
     records (step 0, every `log_every` steps, the last), each with its held-out figures
     (`evaluate` on `eval_batches`, with `eval_cfg`'s TTT length and k, default `cfg`'s) where
-    one was due. `stop` may end the run early after an evaluation (`LoopHooks.stop`)."""
+    one was due. `stop` may end the run early after an evaluation (`LoopHooks.stop`).
+
+    `checkpoint(done, best, last_eval, loop)` is called every `checkpoint_every` steps and
+    at the end, `loop` holding what a resume needs besides the draft's weights: the step,
+    the best evaluation, the optimizer's and the noise generator's states. `resume=loop`
+    (with the draft's weights of that step already loaded) goes on from there, exactly."""
     if not batches:
         raise ValueError("train_in_memory got no batches")
     torch.manual_seed(cfg.seed)
     generator = torch.Generator(device=batches[0]["input_ids"].device).manual_seed(cfg.seed)
-    taken = iter(range(cfg.steps))
+    opt = PlainOptimizer(draft, cfg.optim)
+    start, best = 0, None
+    if resume is not None:
+        opt.optimizer.load_state_dict(resume["optimizer"])
+        generator.set_state(resume["generator"])
+        start, best = resume["step"], resume["best"]
+    taken = iter(range(start, cfg.steps))
     history: list[dict] = []
+
+    def save(done: int, best: dict | None, last_eval: dict | None) -> None:
+        loop = {"step": done, "best": best, "optimizer": opt.optimizer.state_dict(), "generator": generator.get_state()}
+        checkpoint(done, best, last_eval, loop)
+
     hooks = LoopHooks(
         log=history.append,
         evaluate=None if eval_batches is None else (lambda: evaluate(draft, head, eval_batches, eval_cfg or cfg)),
         stop=stop,
+        checkpoint=None if checkpoint is None else save,
     )
-    fit(PlainOptimizer(draft, cfg.optim), head, lambda: [batches[next(taken) % len(batches)]], cfg, generator, hooks)
+    fit(opt, head, lambda: [batches[next(taken) % len(batches)]], cfg, generator, hooks, start=start, best=best)
     return history

@@ -2,6 +2,9 @@
 it ends the run at the step it names, with the weights a full run has at that step, and
 evaluating along the way changes nothing in training."""
 
+import copy
+import dataclasses
+
 import torch
 
 from eagle3.modeling import Eagle3Draft
@@ -75,3 +78,37 @@ def test_a_stop_ends_the_run_at_its_step_with_the_full_runs_weights_there():
     for n in full_final:  # evaluations draw nothing from the training's RNG
         assert torch.equal(full_final[n], blind_final[n]), n
     assert any(not torch.equal(full_final[n], final[n]) for n in final)  # the stop really cut training
+
+
+def test_a_run_resumed_from_its_checkpoint_hook_ends_as_the_uninterrupted_run():
+    """`train_in_memory(checkpoint=)` hands over what a resume needs besides the weights;
+    `resume=` of it, in a fresh draft with that step's weights, ends bit-equal to the run
+    never interrupted (the optimizer's moments, the noise generator and the best kept)."""
+    target, batches, head, cfg = setup()
+    cfg = dataclasses.replace(cfg, checkpoint_every=2)
+    draft = fresh_draft(target, batches[0])
+    saved: dict = {}
+
+    def checkpoint(done, best, last_eval, loop):  # the optimizer's state is live: a copy, as a file is
+        saved[done] = (weights(draft), copy.deepcopy(loop))
+
+    full = train_in_memory(draft, head, batches, cfg, batches, checkpoint=checkpoint)
+    assert sorted(saved) == [2, 4, 6, 8, 10] and saved[4][1]["step"] == 4
+    resumed = fresh_draft(target, batches[0])
+    resumed.load_state_dict(saved[4][0], strict=False)
+    rest = train_in_memory(resumed, head, batches, cfg, batches, resume=saved[4][1])
+    for n, w in weights(draft).items():
+        assert torch.equal(weights(resumed)[n], w), n
+    assert rest[-1]["eval"] == full[-1]["eval"] and rest[0]["step"] + 1 == 8  # its first log: no step 1-4 rerun
+    # Without the optimizer's state (a warm start), the same weights train elsewhere.
+    warm = fresh_draft(target, batches[0])
+    warm.load_state_dict(saved[4][0], strict=False)
+    train_in_memory(
+        warm,
+        head,
+        batches,
+        cfg,
+        batches,
+        resume={**saved[4][1], "optimizer": {"state": {}, "param_groups": saved[4][1]["optimizer"]["param_groups"]}},
+    )
+    assert any(not torch.equal(weights(warm)[n], w) for n, w in weights(draft).items())

@@ -456,6 +456,45 @@ def test_a_killed_quality_bench_takes_its_pool_workers_with_it(tiny_target, capt
     assert not list(trials.glob("*-????????????.json"))  # no trial marked done
 
 
+def test_a_killed_quality_trial_resumes_from_its_last_walk_exactly(tiny_target, captured, tmp_path, capsys):
+    """A trial SIGKILLed mid-run goes on from its last walk when the bench is rerun (weights,
+    optimizer, noise generator, walks and the best walk's weights), and ends with the
+    figures and weights of a trial never interrupted."""
+    from bench import bench_quality
+
+    run_dir = copy_run(captured, tmp_path / "run")
+    args = ["--overrides", *overrides(tiny_target, run_dir), "--only", "base", "--steps", "40", "--seeds", "0"]
+    args += ["--validation-fraction", "0.3", "--eval-every", "2", "--patience", "0", "--decode-prompts", "0"]
+    killed, whole = tmp_path / "killed" / "ablation", tmp_path / "whole" / "ablation"
+    cmd = [sys.executable, "-m", "bench.bench_quality", *args, "--out", str(killed)]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+    partial = killed.parent / "trials"
+    try:
+        deadline = time.monotonic() + 300
+        while not any(len(json.loads(p.read_text())["curve"]) >= 3 for p in partial.glob("*.partial.json")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
+            time.sleep(0.1)
+    finally:
+        kill_run(proc)
+    (resumable,) = partial.glob("*.resume.pt")
+    assert not list(partial.glob("*-????????????.json"))  # killed before its end
+    capsys.readouterr()
+    bench_quality.main([*args, "--out", str(killed)])
+    resumed_at = int(capsys.readouterr().out.split("resumed at step ")[1].split()[0])
+    assert 6 <= resumed_at < 40 and resumed_at % 2 == 0
+    assert not resumable.exists()  # the finished trial drops its resume state
+    bench_quality.main([*args, "--out", str(whole)])
+    a, b = (json.loads(d.with_suffix(".json").read_text())["trials"][0] for d in (killed, whole))
+    assert a.pop("train_tokens_per_s") > 1 and b.pop("train_tokens_per_s") > 1
+    assert a == b and len(a["curve"]) == 20  # walks, best step, per-step figures: all equal
+    (wa,), (wb,) = (list((d.parent / "trials").glob("*.safetensors")) for d in (killed, whole))
+    ta, tb = load_file(str(wa)), load_file(str(wb))
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
 def test_the_validation_split_is_drawn_independently_of_the_heldout_split():
     """The train samples are those whose id hashes above data.heldout_fraction; the
     validation split must still take its own share of them (an unsalted hash took none
