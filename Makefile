@@ -75,15 +75,17 @@ clean:
 # The wheels bench.gpu_suite needs on the lent GPU machine (Python 3.12, torch, transformers,
 # triton, numpy, safetensors; nothing else, no network): SpecForge and DeepSpeed (built here
 # as a pure-Python wheel, no C++ op) with their small dependencies, pytest and hypothesis for
-# the gpu-marked tests. About 12 MiB; the device tool carries .gpu-wheels (64 MiB at most).
+# the gpu-marked tests, Zarr and its codecs for the capture section. About 18 MiB; the device
+# tool carries .gpu-wheels (64 MiB at most). tests/lent_machine rehearses the list on the CPU.
 GPU_WHEELS := .gpu-wheels
-GPU_BINARY := msgpack==1.2.4 psutil==7.2.2 pydantic_core==2.50.5 ninja==1.13.2
-GPU_PURE := specforge==$(SPECFORGE_VERSION) hjson==3.1.0 py-cpuinfo==9.0.0 pydantic==2.14.4 annotated-types==0.8.0 \
+GPU_PYTHON := 3.12  # the lent machine's; 3.11 builds a set to rehearse with here (bench.gpu_suite --dry-run --wheels)
+GPU_BINARY := msgpack==1.2.4 psutil==7.2.2 pydantic_core==2.50.5 ninja==1.13.2 numcodecs==0.16.6 google-crc32c==1.9.0
+GPU_PURE := specforge==$(SPECFORGE_VERSION) zarr==3.1.6 donfig==0.8.1.post1 hjson==3.1.0 py-cpuinfo==9.0.0 pydantic==2.14.4 annotated-types==0.8.0 \
 	typing-inspection==0.4.5 typing_extensions==4.16.0 einops==0.8.2 nvidia-ml-py pytest==9.2.0 pluggy==1.7.0 \
 	iniconfig==2.3.1 hypothesis==6.170.17 sortedcontainers==2.4.0 attrs==26.1.0 fsspec==2026.9.0 packaging
 gpu-wheels: $(STAMP)
 	mkdir -p $(GPU_WHEELS)
-	$(PIP) download --quiet --no-deps --dest $(GPU_WHEELS) --only-binary=:all: --python-version 3.12 \
+	$(PIP) download --quiet --no-deps --dest $(GPU_WHEELS) --only-binary=:all: --python-version $(strip $(GPU_PYTHON)) \
 	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 	  --platform manylinux2014_x86_64 $(GPU_BINARY) $(GPU_PURE)
 	DS_BUILD_OPS=0 $(PIP) wheel --quiet --no-deps --no-build-isolation --wheel-dir $(GPU_WHEELS) deepspeed==0.19.8

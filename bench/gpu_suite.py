@@ -13,19 +13,24 @@ reported with its error and the next still runs):
 1. `gpu_tests`: the `gpu`-marked tests that need only torch (flex against dense, forward and
    backward, on the device; flex memory linear in length; the store's batches pinned and on
    the device), by pytest in a child process (the dry run collects them only: CI runs them).
-2. `train_step`: our training step (eagle3.training.train_step, the one production runs)
-   beside SpecForge 0.2.0's (bench.specforge_step) at Llama-3.1-8B draft shapes, TTT 7,
-   batch 1, bf16, T = 2048, 4096, 8192: tokens/s, peak GiB, MFU against a bf16 matmul
-   measured in the same run (bench.bench_train_gpu).
-3. `deepspeed`: the DeepSpeed engine of the train stage (workflows.train.trainer.DeepSpeedStep,
+2. `deepspeed`: the DeepSpeed engine of the train stage (workflows.train.trainer.DeepSpeedStep,
    ZeRO 1, one rank over NCCL) against the plain optimizer, a few steps from the same
    weights on the same batches: the losses within the dtype's tolerance.
-4. `capture`: HF capture (the capture stage's writer into a Zarr store) on the device,
+3. `capture`: HF capture (the capture stage's writer into a Zarr store) on the device,
    divided by the bare forward of the same engine on the same batches.
-5. `decoder`: the reference speculative decoder on the device, lossless against greedy.
+4. `decoder`: the reference speculative decoder on the device, lossless against greedy.
+5. `train_step`: our training step (eagle3.training.train_step, the one production runs)
+   beside SpecForge 0.2.0's (bench.specforge_step) at Llama-3.1-8B draft shapes, TTT 7,
+   batch 1, bf16, T = 2048, 4096, 8192: tokens/s, peak GiB, MFU against a bf16 matmul
+   measured in the same run, and each variant's wall time with its compilation
+   (bench.bench_train_gpu). Last, as the longest: it starts no length it expects to end past
+   `--budget-s` (420 s) and reports the lengths it skipped; `--variants` adds the memory
+   variants (loss in blocks, MLP recomputed) to the default `ours compiled`.
 
 Writes one JSON (`--out`, default `$OUT/gpu_suite.json` where the machine provides
-`$OUT`) and prints a table. Within about 8 minutes on an H200.
+`$OUT`) and prints a table. The first H200 run (2026-12-04): gpu_tests 51 s, deepspeed
+16 s, capture 56 s, decoder 4 s; train_step, with all four variants, finished T=2048 and
+not T=4096 in the 450 s it had.
 """
 
 from __future__ import annotations
@@ -71,6 +76,14 @@ class Plan:
     # tests itself on the CPU, so the rehearsal checks the selection, not the tests twice).
     run_gpu_tests: bool = True
     partial: Path | None = None  # where train_step writes its rows as they finish (a timeout keeps them)
+    # train_step's variants of our step (see variants()). The first H200 run (2026-12-04)
+    # spent 450 s on T=2048 alone with all four, mostly compiling; the memory variants
+    # (blocks, lean) were the slowest and matter only where memory is short, so a lent
+    # window runs them only when asked (--variants).
+    variant_names: tuple[str, ...] = ("ours", "compiled")
+    # train_step starts no sequence length it expects to finish past this many seconds
+    # (the next length costs about twice the last), so that one lent window holds the suite.
+    budget_s: float = 420.0
 
     @classmethod
     def full(cls) -> "Plan":
@@ -107,6 +120,7 @@ class Plan:
             capture_length=48,
             loss_block_rows=16,
             run_gpu_tests=False,
+            variant_names=("ours", "blocks", "lean", "compiled"),
         )
 
 
@@ -152,10 +166,15 @@ def train_step(plan: Plan) -> dict:
     s, dev = plan.shapes, plan.device
     cfg = draft_config(s)
     peak = matmul_tflops(dev, n=8192 if dev.type == "cuda" else 256, reps=10 if dev.type == "cuda" else 2)
-    rows = []
+    rows, started, last_s = [], time.perf_counter(), 0.0
     for seq in plan.seqs:
-        row = {"seq": seq}
+        spent = time.perf_counter() - started
+        if rows and spent + 2 * last_s > plan.budget_s:
+            rows.append({"seq": seq, "skipped": f"budget: {spent:.0f} s spent, the last length took {last_s:.0f} s"})
+            continue
+        row, seq_started = {"seq": seq}, time.perf_counter()
         for name, settings in variants(plan):
+            t0 = time.perf_counter()
             try:
                 ours = run_one(cfg, seq, plan.ttt, dev, plan.steps, dtype=plan.dtype, **settings)
                 row.update(
@@ -171,7 +190,9 @@ def train_step(plan: Plan) -> dict:
                 if name == "ours":
                     raise
                 row[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            row[f"{name}_wall_s"] = time.perf_counter() - t0  # with its warm-up and compilation
             free(dev)
+        t0 = time.perf_counter()
         try:
             step = build_specforge_step(**s, seq=seq, ttt=plan.ttt, device=dev, dtype=plan.dtype)
             sf = time_steps(step, dev, plan.steps)
@@ -184,13 +205,15 @@ def train_step(plan: Plan) -> dict:
             del step
         except torch.OutOfMemoryError:
             row["specforge"] = "out of memory"
+        row["specforge_wall_s"] = time.perf_counter() - t0
         free(dev)
+        last_s = time.perf_counter() - seq_started
         if "ours_tokens_per_s" in row and "specforge_tokens_per_s" in row:
             row["speedup"] = row["ours_tokens_per_s"] / row["specforge_tokens_per_s"]
         rows.append(row)
         if plan.partial is not None:
             plan.partial.write_text(json.dumps(rows, indent=1, default=str))
-    ok = all("ours_tokens_per_s" in r for r in rows)
+    ok = all("ours_tokens_per_s" in r for r in rows if "skipped" not in r)
     return {
         "ok": ok,
         "matmul_tflops": peak,
@@ -205,14 +228,15 @@ def train_step(plan: Plan) -> dict:
 def variants(plan: Plan) -> list[tuple[str, dict]]:
     """Our step as the train stage runs it by default; with the loss in blocks; lean (the
     loss in blocks and the MLP recomputed: the least memory); with the decoder layer
-    compiled. (name, bench.bench_train_gpu.run_one's settings)."""
+    compiled. (name, bench.bench_train_gpu.run_one's settings), those the plan names."""
     blocks = {"loss_block_rows": plan.loss_block_rows}
-    return [
-        ("ours", {}),
-        ("blocks", blocks),
-        ("lean", {**blocks, "activation_checkpointing": "mlp"}),
-        ("compiled", {"compile_layer": True}),
-    ]
+    every = {
+        "ours": {},
+        "blocks": blocks,
+        "lean": {**blocks, "activation_checkpointing": "mlp"},
+        "compiled": {"compile_layer": True},
+    }
+    return [(name, every[name]) for name in plan.variant_names]
 
 
 def time_steps(step, device: torch.device, steps: int) -> dict:
@@ -346,12 +370,14 @@ def decoder(plan: Plan) -> dict:
     }
 
 
+# The quick sections first: the first H200 window ran out inside train_step, which had run
+# second, and the three after it needed a second call.
 SECTIONS = {
     "gpu_tests": gpu_tests,
-    "train_step": train_step,
     "deepspeed": deepspeed_vs_plain,
     "capture": capture_ratio,
     "decoder": decoder,
+    "train_step": train_step,
 }
 
 
@@ -405,8 +431,8 @@ def table(results: dict) -> str:
     if step.get("rows"):
         lines += [
             "",
-            "| seq | step | tokens/s | peak GiB | MFU | tokens/s ÷ SpecForge's |",
-            "|---|---|---|---|---|---|",
+            "| seq | step | tokens/s | peak GiB | MFU | tokens/s ÷ SpecForge's | wall s |",
+            "|---|---|---|---|---|---|---|",
         ]
         names = {
             "ours": "ours",
@@ -416,13 +442,18 @@ def table(results: dict) -> str:
             "specforge": "SpecForge 0.2.0",
         }
         for r in step["rows"]:
+            if "skipped" in r:
+                lines.append(f"| {r['seq']} | skipped | {r['skipped']} | | | | |")
+                continue
             for key, name in names.items():
+                if f"{key}_wall_s" not in r:  # a variant this run did not ask for
+                    continue
                 tps = r.get(f"{key}_tokens_per_s")
                 ratio = tps / r["specforge_tokens_per_s"] if tps and r.get("specforge_tokens_per_s") else None
                 lines.append(
                     f"| {r['seq']} | {name} | {fmt(tps, '.0f') if tps else r.get(key, '-')} | "
                     f"{fmt(r.get(f'{key}_peak_gib'))} | {fmt(r.get(f'{key}_mfu'), '.0%')} | "
-                    f"{fmt(ratio, '.2f')} |"
+                    f"{fmt(ratio, '.2f')} | {fmt(r.get(f'{key}_wall_s'), '.0f')} |"
                 )
     return "\n".join(lines)
 
@@ -442,6 +473,8 @@ def main() -> None:
     ap.add_argument("--wheels", type=Path, default=None, help="a folder of wheels to unpack onto sys.path first")
     ap.add_argument("--only", nargs="*", choices=list(SECTIONS), default=list(SECTIONS))
     ap.add_argument("--seqs", type=int, nargs="*", default=None, help="train_step's sequence lengths (a rerun's)")
+    ap.add_argument("--variants", nargs="*", choices=["ours", "blocks", "lean", "compiled"], default=None)
+    ap.add_argument("--budget-s", type=float, default=None, help="train_step's time budget in seconds")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     if a.wheels is not None:
@@ -450,6 +483,8 @@ def main() -> None:
         raise SystemExit("no GPU visible to torch; run with --dry-run for the CPU rehearsal")
     plan = Plan.dry() if a.dry_run else Plan.full()
     plan.seqs = a.seqs or plan.seqs
+    plan.variant_names = tuple(a.variants or plan.variant_names)
+    plan.budget_s = plan.budget_s if a.budget_s is None else a.budget_s
     out = a.out or Path(os.environ.get("OUT", ".")) / "gpu_suite.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     plan.partial = out.with_name("gpu_suite.train_step.partial.json")

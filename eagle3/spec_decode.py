@@ -236,7 +236,10 @@ class TargetRunner:
     def keep_rows(self, past: int, rows: list[int]) -> None:
         """Keep the first `past` cached positions plus the new block's `rows`."""
         if rows == list(range(len(rows))):  # a chain prefix: drop the tail in place
-            self.cache.crop(past + len(rows))
+            # crop(-n) drops the last n (a positive size is deprecated since transformers 5.17).
+            surplus = self.cache.get_seq_length() - (past + len(rows))
+            if surplus > 0:
+                self.cache.crop(-surplus)
             self.length = past + len(rows)
             return
         idx = torch.tensor(list(range(past)) + [past + r for r in rows], device=self.model.device)

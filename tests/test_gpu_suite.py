@@ -21,9 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_the_gpu_suite_dry_run_passes_every_section(tmp_path):
     out = tmp_path / "gpu_suite.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "DS_ACCELERATOR": "cpu"}
+    # With only the lent machine's imports and the carried wheels (tests/lent_machine): the
+    # first H200 run lost its capture section to a zarr that no wheel carried.
+    lent = os.pathsep.join(p for p in (str(ROOT / "tests" / "lent_machine"), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "DS_ACCELERATOR": "cpu", "PYTHONPATH": lent}
+    # A second length that the time budget (0 s) skips once the first is done.
+    cmd = ["--dry-run", "--seqs", "64", "80", "--budget-s", "0", "--out", str(out)]
     done = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_suite", "--dry-run", "--out", str(out)],
+        [sys.executable, "-m", "bench.gpu_suite", *cmd],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -32,15 +37,17 @@ def test_the_gpu_suite_dry_run_passes_every_section(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     r = json.loads(out.read_text())
-    assert [k for k in r if k != "environment"] == ["gpu_tests", "train_step", "deepspeed", "capture", "decoder"]
+    assert [k for k in r if k != "environment"] == ["gpu_tests", "deepspeed", "capture", "decoder", "train_step"]
     assert all(r[k]["ok"] for k in r), r
     # flex x2 and flex memory (test_attention_scale), four of store batches on the device
     # (test_device_batches): the dry run collects them (this suite runs them itself).
     assert r["gpu_tests"]["summary"].startswith("7/") and "tests collected" in r["gpu_tests"]["summary"], r["gpu_tests"]
-    row = r["train_step"]["rows"][0]
+    row, skipped = r["train_step"]["rows"]
+    assert skipped["seq"] == 80 and skipped["skipped"].startswith("budget: "), skipped
     # Every variant of our step ran (a failing one leaves its error instead of its figures).
     for name in ("ours", "blocks", "lean", "compiled", "specforge"):
         assert isinstance(row.get(f"{name}_tokens_per_s"), float), (name, row.get(name))
+        assert isinstance(row[f"{name}_wall_s"], float), name  # with warm-up: where a lent window goes
     assert row["specforge_backend"] == "sdpa" and r["train_step"]["loss_block_rows"] == 16
     assert row["speedup"] == pytest.approx(row["ours_tokens_per_s"] / row["specforge_tokens_per_s"])
     # Each finished sequence length is on disk at once: a run cut by the time limit keeps it.
@@ -50,7 +57,7 @@ def test_the_gpu_suite_dry_run_passes_every_section(tmp_path):
     assert losses["plain"][-1] < losses["plain"][0]  # the steps trained
     assert 0 < r["capture"]["ratio"] <= 1.5 and r["capture"]["tokens"] == sum(48 - (i % 7) * 3 for i in range(8))
     assert r["decoder"]["identical_to_greedy"] == "4/4"
-    assert "| seq | step | tokens/s |" in done.stdout
+    assert "| seq | step | tokens/s |" in done.stdout and "| 80 | skipped | budget: " in done.stdout
 
 
 def test_the_suite_asks_for_the_wheels_it_needs(tmp_path):

@@ -77,6 +77,10 @@ def test_deepspeed_places_the_module_on_the_trainers_device(monkeypatch):
     assert deepspeed_args(torch.device("cpu")) is None  # CPU workers: DeepSpeed's own default
     args = deepspeed_args(torch.device("cuda", 2))
     assert args.device_rank == 2
+    # A bare "cuda" (index None, as train.device=cuda gives) is the current device: DeepSpeed
+    # compares device_rank with 0, and None broke the first H200 run of bench.gpu_suite.
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert deepspeed_args(torch.device("cuda")).device_rank == 3
 
     chosen = []
     accelerator = types.SimpleNamespace(set_device=chosen.append, device_name=lambda i: f"cuda:{i}")

@@ -156,7 +156,10 @@ def deepspeed_args(device: torch.device):
     order; `device_rank` overrides it, so the module and the batches share one device."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(device_rank=device.index) if device.type == "cuda" else None
+    if device.type != "cuda":
+        return None
+    # A bare "cuda" (index None) means the current device; DeepSpeed compares the rank with 0.
+    return SimpleNamespace(device_rank=torch.cuda.current_device() if device.index is None else device.index)
 
 
 class Trainer:
