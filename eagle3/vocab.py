@@ -63,9 +63,14 @@ def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int, warn=print) -
     t2d = torch.zeros(vocab_size, dtype=torch.bool, device=counts.device)
     t2d[ids] = True
     d2t = ids - torch.arange(draft_vocab_size, device=counts.device)
+    return DraftVocab(d2t=d2t, t2d=t2d, covered_fraction=covered_fraction(t2d, counts) or 0.0, filled=filled)
+
+
+def covered_fraction(t2d: torch.Tensor, counts: torch.Tensor) -> float | None:
+    """The share of the counted tokens whose id the draft vocab (`t2d`) holds; None if none
+    were counted."""
     total = int(counts.sum())
-    covered = float(counts[ids].sum()) / total if total else 0.0
-    return DraftVocab(d2t=d2t, t2d=t2d, covered_fraction=covered, filled=filled)
+    return int(counts[t2d.to(counts.device).bool()].sum()) / total if total else None
 
 
 def target_to_draft(target_ids: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from eagle3.metrics import acceptance_one, assistant_spans, leading_correct
 from eagle3.ttt import score_steps, shift_left, soft_cross_entropy, step_weights
-from eagle3.vocab import build_draft_vocab, count_tokens, target_to_draft
+from eagle3.vocab import build_draft_vocab, count_tokens, covered_fraction, target_to_draft
 
 
 # --- draft vocabulary -----------------------------------------------------------------
@@ -170,3 +170,31 @@ def test_walk_hand_example_and_average_overestimates():
     # past the text, so it counts 1 + 1.
     assert acc.per_position_average == pytest.approx(20 / 7)
     assert acc.per_slot_rate == [1.0, 1.0, 0.0]
+
+
+def test_covered_fraction_is_the_share_of_counted_tokens_in_the_vocab():
+    t2d = torch.tensor([True, False, True, False])
+    counts = torch.tensor([3, 5, 1, 1])
+    assert covered_fraction(t2d, counts) == pytest.approx(4 / 10)
+    assert covered_fraction(t2d, torch.zeros(4, dtype=torch.long)) is None  # nothing counted: no figure
+
+
+def test_the_vocab_stage_reports_how_much_of_the_heldout_answers_it_holds(corpus, tiny_target, tmp_path):
+    """A ceiling on acceptance that training cannot lift, reported (never used to choose)."""
+    from safetensors.torch import load_file
+
+    from tests.helpers import cfg_for, corpus_rows, run_dir_with_corpus
+    from workflows import vocab as vocab_stage
+    from workflows.core.records import VocabSummary
+
+    run_dir = run_dir_with_corpus(corpus, tmp_path)
+    out = vocab_stage.run(cfg_for(tiny_target, run_dir, "draft.draft_vocab_size=16"))
+    summary = VocabSummary.read(out / "vocab.json")
+    t2d = load_file(str(out / "vocab.safetensors"))["t2d"]
+    # The obvious count: every answer token of the held-out rows, in the vocab or not.
+    held = [
+        t for r in corpus_rows(run_dir) if r["split"] == "heldout" for t, m in zip(r["input_ids"], r["loss_mask"]) if m
+    ]
+    expected = sum(bool(t2d[t]) for t in held) / len(held)
+    assert 0 < expected < 1  # 16 slots hold some of the held-out answers' tokens, not all
+    assert summary.heldout_covered_fraction == pytest.approx(expected)

@@ -81,5 +81,8 @@ class VocabSummary(Record):
     counted_tokens: int
     covered_fraction: float  # of the counted tokens, the part the draft vocab holds
     filled: int  # slots filled with the lowest unused ids (fewer distinct tokens than slots)
+    # Of the held-out split's answer tokens, the part the draft vocab holds: the rest can never
+    # be drafted, a ceiling on acceptance that no training lifts. None: no held-out split.
+    heldout_covered_fraction: float | None = None
 
     STAGE = "vocab"
