@@ -10,7 +10,10 @@ store); `--final-state` picks how the capture worker gets them (`runner`, the de
 SGLang's model runner, for both the bare prefill and the capture; `tail`: SGLang's Engine).
 The capture adds the state capture, the bf16 conversion and the Zarr writes, which
 `capture_and_write` overlaps with the next shard's compute. Prints both
-tokens/s and the ratio capture/bare (aim >= 0.90). Default target: the `tiny` preset
+tokens/s and the ratio capture/bare (aim >= 0.90), and where the fastest capture's time
+went, each over the bare forward: `compute_over_bare` (the forward with the states'
+extraction and copy off the device) and `write_over_bare` (the store's writes, on the writer
+thread). Default target: the `tiny` preset
 (prepared into .cache on first use); pass --target for a bigger checkpoint.
 
 `--state-dtype bfloat16 int8` captures the same shards once per scheme (`capture.state_dtype`:
@@ -116,6 +119,7 @@ def measure(
     tokens = sum(len(s) for s in seqs)
     engine.bare_forward(seqs[:shard_samples])  # warm-up (and SGLang's engine start)
     bare_s, cap_s = [], {s: [] for s in state_dtypes}
+    parts = []  # (wall, states computed and copied off the device, written) of each first-scheme run
     tmp = Path(tempfile.mkdtemp(prefix="bench_capture_"))
     try:
         for r in range(repeats):  # interleaved, so machine noise hits all alike
@@ -138,6 +142,14 @@ def measure(
                 rows = capture_and_write(engine, store, plans, chunk_bytes=1 << 20, state_dtype=scheme)
                 store.commit(rows)
                 cap_s[scheme].append(time.perf_counter() - t)
+                if scheme == state_dtypes[0]:
+                    parts.append(
+                        (
+                            cap_s[scheme][-1],
+                            sum(r["compute_seconds"] for r in rows),
+                            sum(r["write_seconds"] for r in rows),
+                        )
+                    )
                 shutil.rmtree(tmp / f"store{r}-{scheme}", ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -157,6 +169,11 @@ def measure(
         "bare_forward_tok_per_s": round(bare),
         "capture_tok_per_s": round(cap),
         "ratio": round(cap / bare, 3),
+        # Of the fastest capture: the forward with the states' extraction and copy off the
+        # device, and the store's writes (on a writer thread, overlapping the next shard's
+        # compute), each against the bare forward: which of the two makes capture slow.
+        "compute_over_bare": round(min(parts)[1] / min(bare_s), 3),
+        "write_over_bare": round(min(parts)[2] / min(bare_s), 3),
         **(by_scheme if len(state_dtypes) > 1 else {}),
         "threads": torch.get_num_threads(),
     }
