@@ -55,6 +55,8 @@ from bench.bench_train_gpu import LLAMA8B
 
 ROOT = Path(__file__).resolve().parents[1]
 
+VARIANTS = ("ours", "blocks", "lean", "compiled")  # of our training step; see variants()
+
 TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512, draft_vocab=128, target_hidden=64)
 
 
@@ -120,7 +122,7 @@ class Plan:
             capture_length=48,
             loss_block_rows=16,
             run_gpu_tests=False,
-            variant_names=("ours", "blocks", "lean", "compiled"),
+            variant_names=VARIANTS,
         )
 
 
@@ -473,7 +475,7 @@ def main() -> None:
     ap.add_argument("--wheels", type=Path, default=None, help="a folder of wheels to unpack onto sys.path first")
     ap.add_argument("--only", nargs="*", choices=list(SECTIONS), default=list(SECTIONS))
     ap.add_argument("--seqs", type=int, nargs="*", default=None, help="train_step's sequence lengths (a rerun's)")
-    ap.add_argument("--variants", nargs="*", choices=["ours", "blocks", "lean", "compiled"], default=None)
+    ap.add_argument("--variants", nargs="*", choices=VARIANTS, default=None)
     ap.add_argument("--budget-s", type=float, default=None, help="train_step's time budget in seconds")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
