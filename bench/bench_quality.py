@@ -97,6 +97,7 @@ GRIDS["long"] = [  # issue 26: what limits held-out acceptance at convergence (1
     ("base", []),
     ("min_lr_ratio=0", ["train.optim.min_lr_ratio=0"]),
     ("weight_decay=0.1", ["train.optim.weight_decay=0.1"]),
+    ("dropout=0.1", ["train.dropout=0.1"]),  # residual dropout in the draft layer
     # SmolLM2-135M's captured states (layers 1, 14, 26) have median |x| 0.8, 2.0 and 9.1: the
     # default std 0.05 barely touches them
     ("noise=gaussian 0.5", ["train.ttt.noise.std=0.5"]),

@@ -111,14 +111,24 @@ class DecoderLayer(nn.Module):
         # part of the weights): its [T, intermediate] activations are recomputed in backward
         # instead of kept, per TTT step, for one more MLP forward.
         self.recompute_mlp = False
+        # Residual dropout while training (set by the training step with its generator, so a
+        # resumed run draws the same masks): (probability, torch.Generator) or None.
+        self.dropout: tuple[float, torch.Generator | None] | None = None
+
+    def drop(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.dropout is None or self.dropout[0] == 0:
+            return x
+        p, generator = self.dropout
+        keep = torch.rand(x.shape, generator=generator, device=x.device) >= p
+        return x * keep / (1 - p)
 
     def forward(self, embeds, hidden, positions, state: AttentionState) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        a = hidden + self.self_attn(x, positions, state)
+        a = hidden + self.drop(self.self_attn(x, positions, state))
         h = self.post_attention_layernorm(a)
         if self.recompute_mlp and torch.is_grad_enabled():
-            return a + checkpoint(self.mlp, h, use_reentrant=False)
-        return a + self.mlp(h)
+            return a + self.drop(checkpoint(self.mlp, h, use_reentrant=False))
+        return a + self.drop(self.mlp(h))
 
 
 class Eagle3Draft(nn.Module):

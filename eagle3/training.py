@@ -70,6 +70,9 @@ class LoopConfig:
     # for one more MLP forward; "none" keeps them (the faster choice where memory allows).
     # The same arithmetic either way, so it is not part of what the train stage produced.
     activation_checkpointing: Literal["none", "mlp"] = field(default="none", metadata=NOT_OUTPUT)
+    # Residual dropout in the draft layer (its attention's and MLP's outputs), training only:
+    # a regulariser against the overfit of many epochs over few samples (issue 26).
+    dropout: float = 0.0
     acceptance_k: int = 4  # draft tokens per target pass in the simulated acceptance
     log_every: int = field(default=25, metadata=NOT_OUTPUT)
     eval_every: int = 100  # held-out evaluation, steps (and at the end, and at each checkpoint)
@@ -81,7 +84,14 @@ class LoopConfig:
         self.objective.validate(f"{where}.objective")
         self.optim.validate(f"{where}.optim")
         check_ranges(
-            self, where, steps=">=1", acceptance_k=">=1", log_every=">=1", eval_every=">=1", checkpoint_every=">=0"
+            self,
+            where,
+            steps=">=1",
+            dropout="[0,1)",
+            acceptance_k=">=1",
+            log_every=">=1",
+            eval_every=">=1",
+            checkpoint_every=">=0",
         )
         if self.activation_checkpointing not in ("none", "mlp"):
             raise ConfigError(
@@ -198,6 +208,7 @@ def train_step(opt, head, micro_batches: list[dict], lr: float, cfg: LoopConfig,
     Returns the step's figures, averaged over its micro-batches."""
     opt.begin(lr)
     opt.module.midlayer.recompute_mlp = cfg.activation_checkpointing == "mlp"
+    opt.module.midlayer.dropout = (cfg.dropout, generator) if cfg.dropout else None
     scores = []
     for batch in micro_batches:
         with autocast_for(cfg.compute_dtype, batch["input_ids"].device):
