@@ -114,6 +114,9 @@ GRIDS["long"] = [  # issue 26: what limits held-out acceptance at convergence (1
     # 8192 slots hold 95.3% of the held-out answers' tokens, 16384 97.1% (vocab.json)
     ("draft_vocab=16384", ["draft.draft_vocab_size=16384"]),
     ("objective=kl_acceptance", ["train.objective.kind=kl_acceptance"]),
+    # Each position's step j weighed by its share of that position's expected accepted
+    # length (0 once an earlier step misses) instead of decay**j everywhere
+    ("weighting=chain", ["train.objective.weighting=chain"]),
 ]
 TREE = (5, 4, 8)  # SGLang's default drafting for a Llama target: steps, topk, draft tokens
 

@@ -49,6 +49,13 @@ class ObjectiveConfig:
     # recomputed in backward: per TTT step autograd keeps no [T, draft vocab] tensor (1 GiB
     # at T 8192, vocab 32000), for one more lm_head matmul. 0: all rows at once.
     loss_block_rows: int = 0
+    # How the TTT steps' losses are weighed: "decay" (step j by ttt.decay**j at every
+    # position, as EAGLE-3) or "chain" (each position's step j by how much it adds to that
+    # position's expected accepted length in chain decoding, `chain_weights`; ttt.decay is
+    # not used). A step only counts when every step before it was right: where the draft's
+    # step 0 already misses, its later steps are never reached in serving, and "decay"
+    # spends the same effort on them as on the steps that are.
+    weighting: Literal["decay", "chain"] = "decay"
 
     def validate(self, where: str = "objective") -> None:
         if self.kind not in OBJECTIVES:
@@ -57,7 +64,14 @@ class ObjectiveConfig:
             raise ConfigError(f"{where}.normalise={self.normalise!r} is not 'scored' or 'positions'")
         if self.tokens not in ("answer", "all"):
             raise ConfigError(f"{where}.tokens={self.tokens!r} is not 'answer' or 'all'")
+        if self.weighting not in ("decay", "chain"):
+            raise ConfigError(f"{where}.weighting={self.weighting!r} is not 'decay' or 'chain'")
         check_ranges(self, where, loss_block_rows=">=0")
+        if self.loss_block_rows and self.weighting == "chain":
+            raise ConfigError(
+                f"{where}.weighting='chain' reads each step's probability of the target's token, which "
+                f"{where}.loss_block_rows={self.loss_block_rows} does not keep: set it to 0"
+            )
         if self.loss_block_rows and self.kind != "soft_ce":
             raise ConfigError(
                 f"{where}.loss_block_rows={self.loss_block_rows} computes soft_ce in blocks; "
@@ -90,3 +104,25 @@ def position_loss(kind: str, log_q: torch.Tensor, p: torch.Tensor) -> tuple[torc
         kl = neg_entropy - (p * log_q).sum(-1)
         return (1 - alpha).detach() * kl + (1 - alpha), alpha
     raise ValueError(f"unknown objective {kind!r}; known: {list(OBJECTIVES)}")
+
+
+def chain_weights(hit_chance: torch.Tensor) -> torch.Tensor:
+    """[..., L] chance c_j that step j's guess is the target's token -> [..., L] weights g_j.
+
+    In chain decoding a position yields E = sum_m prod_{i<=m} c_i accepted drafts (step m
+    counts only if steps 0..m all hit). Its derivative in c_j is
+
+        g_j = prod_{i<j} c_i  *  (1 + c_{j+1} + c_{j+1} c_{j+2} + ...)
+              (step j reached)   (what step j's hit goes on to unlock)
+
+    so a loss sum_j g_j loss_j, with g held constant and loss_j a surrogate for -c_j, climbs
+    the expected accepted length. Computed backwards: tail_{L-1} = 1,
+    tail_j = 1 + c_{j+1} tail_{j+1}; reach_0 = 1, reach_j = reach_{j-1} c_{j-1}."""
+    c = hit_chance.float()
+    length = c.shape[-1]
+    ones = torch.ones_like(c[..., :1])
+    reach = torch.cumprod(torch.cat([ones, c[..., :-1]], dim=-1), dim=-1)
+    tails = [ones[..., 0]]
+    for j in range(length - 2, -1, -1):
+        tails.append(1 + c[..., j + 1] * tails[-1])
+    return reach * torch.stack(tails[::-1], dim=-1)

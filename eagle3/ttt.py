@@ -30,7 +30,7 @@ import torch
 from eagle3.attention import ATTENTION_BACKENDS, make_ttt_attention, segments_from_mask
 from eagle3.chunked_loss import chunked_soft_ce
 from eagle3.modeling import Eagle3Draft
-from eagle3.objectives import ObjectiveConfig, position_loss
+from eagle3.objectives import ObjectiveConfig, chain_weights, position_loss
 from eagle3.schema import ConfigError, check_ranges
 
 
@@ -196,11 +196,15 @@ def score_steps(
     The label of row t at step j is read at t+1+j; where that is another sample's (packed
     rows) or padding, `weights` is 0, so it is never scored. `objective` picks the loss per
     position and its averaging (eagle3.objectives; `real_positions`, the batch's count of
-    real tokens, is the denominator of `normalise="positions"`). Accuracy and acceptance
-    rate are always averaged over the scored positions."""
+    real tokens, is the denominator of `normalise="positions"`) and how the steps are
+    weighed (`decay**j`, or per position by `objective.weighting="chain"`; the reported
+    per-step loss is unweighted either way). Accuracy and acceptance rate are always
+    averaged over the scored positions."""
     objective = objective or ObjectiveConfig()
+    chain = objective.weighting == "chain"
     total = 0.0
     step_loss, step_acc, step_alpha, correct = [], [], [], []
+    weighed, hit_chance = [], []  # chain: each step's (per-position loss, its scale), and c_j
     length = target_probs.shape[1]
     for j, hidden in enumerate(hiddens):
         # Rows t < T-1-j only: the later ones have no label (weight 0). Slicing, not a
@@ -223,15 +227,28 @@ def score_steps(
             )
         else:
             logits = draft.logits(hidden[:, :rows])
-            per_position, alpha = position_loss(objective.kind, torch.log_softmax(logits.float(), dim=-1), probs)
+            log_q = torch.log_softmax(logits.float(), dim=-1)
+            per_position, alpha = position_loss(objective.kind, log_q, probs)
             guess = logits.argmax(-1)
+            if chain:  # c_j: the draft's chance of the target's token; 0 where it cannot hit
+                with torch.no_grad():
+                    c = log_q.gather(-1, probs.argmax(-1, keepdim=True)).squeeze(-1).exp()
+                    c = c * draft.t2d[best] * (w > 0)
+                hit_chance.append(torch.nn.functional.pad(c, (0, length - rows)))
         loss_j = (per_position * w_loss).sum() / loss_denom
-        total = total + (decay**j) * loss_j
+        if chain:
+            weighed.append((per_position * w_loss, loss_denom))
+        else:
+            total = total + (decay**j) * loss_j
         hit = draft.draft_to_target(guess) == best
         correct.append(torch.nn.functional.pad(hit, (0, length - rows), value=False))
         step_loss.append(loss_j.detach())
         step_acc.append((hit.float() * w).sum() / denom)
         step_alpha.append((alpha.detach() * w).sum() / denom)
+    if chain:  # each position's step j by its share of the expected accepted length
+        g = chain_weights(torch.stack(hit_chance, dim=-1))
+        for j, (scored_loss, loss_denom) in enumerate(weighed):
+            total = total + (scored_loss * g[:, : scored_loss.shape[1], j]).sum() / loss_denom
     return StepScores(
         loss=total,
         step_loss_t=torch.stack(step_loss),
