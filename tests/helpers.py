@@ -41,6 +41,22 @@ def random_draft(cfg: DraftConfig, seed: int = 0, dtype=torch.float64) -> Eagle3
     return draft.to(dtype).eval()
 
 
+class LogitDraft:
+    """A stand-in draft for score_steps: the hidden state *is* the logits over a draft
+    vocabulary of `size` tokens, draft id i is target id i + 10, and target ids 10..9+size
+    are the draft vocabulary (t2d over 20 target ids)."""
+
+    def __init__(self, size: int = 2):
+        self.t2d = torch.zeros(20, dtype=torch.bool)
+        self.t2d[10 : 10 + size] = True
+
+    def logits(self, h):
+        return h
+
+    def draft_to_target(self, ids):
+        return ids + 10
+
+
 def tiny_hf_llama(num_layers=6, hidden=24, vocab=97, seed=0, dtype=torch.float64):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from eagle3.objectives import ObjectiveConfig, chain_weights
 from eagle3.schema import ConfigError
 from eagle3.ttt import score_steps, step_weights
+from tests.helpers import LogitDraft
 
 
 def expected_accepted(c: list[float]) -> float:
@@ -51,21 +52,6 @@ def test_chain_weights_by_hand():
     assert chain_weights(torch.ones(1, 4)).tolist()[0] == [4.0, 3.0, 2.0, 1.0]
 
 
-class LogitDraft:
-    """The hidden state is the logits over a 3-token draft vocabulary; draft id i is
-    target id i + 10; target ids 10..12 are in the draft vocabulary, the rest are not."""
-
-    def __init__(self):
-        self.t2d = torch.zeros(20, dtype=torch.bool)
-        self.t2d[10:13] = True
-
-    def logits(self, h):
-        return h
-
-    def draft_to_target(self, ids):
-        return ids + 10
-
-
 def test_score_steps_weighs_each_position_by_its_chain_against_a_slow_reference():
     g = torch.Generator().manual_seed(0)
     T, L, V = 7, 3, 3
@@ -75,7 +61,7 @@ def test_score_steps_weighs_each_position_by_its_chain_against_a_slow_reference(
     argmax[0, 3] = 4  # the target's token at t=3 is outside the draft vocabulary
     loss_mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1]])
     w = step_weights(loss_mask, torch.ones(1, T), L)
-    got = score_steps(LogitDraft(), hiddens, probs, argmax, w, 0.8, ObjectiveConfig(weighting="chain"))
+    got = score_steps(LogitDraft(3), hiddens, probs, argmax, w, 0.8, ObjectiveConfig(weighting="chain"))
 
     # Row t's step j predicts position t+1+j: chance c = q_j(t)[the target's token there],
     # 0 where that token is outside the draft vocabulary or the step is not scored.
@@ -100,7 +86,7 @@ def test_score_steps_weighs_each_position_by_its_chain_against_a_slow_reference(
         want += step / len(scored)
     assert float(got.loss.detach()) == pytest.approx(want, rel=1e-6)
     # The reported per-step loss stays the plain mean, as under decay weighting.
-    plain = score_steps(LogitDraft(), hiddens, probs, argmax, w, 0.8)
+    plain = score_steps(LogitDraft(3), hiddens, probs, argmax, w, 0.8)
     assert got.step_loss == pytest.approx(plain.step_loss, rel=1e-12)
     assert got.step_acc == plain.step_acc
 
@@ -114,13 +100,13 @@ def test_a_position_whose_first_guess_cannot_hit_trains_only_its_first_step():
     argmax = torch.full((1, T), 10)
     argmax[0, 1] = 4  # row 0's step 0 (label at t=1) can never be accepted
     w = step_weights(torch.ones(1, T), torch.ones(1, T), L)
-    loss = score_steps(LogitDraft(), hiddens, probs, argmax, w, 0.8, ObjectiveConfig(weighting="chain")).loss
+    loss = score_steps(LogitDraft(3), hiddens, probs, argmax, w, 0.8, ObjectiveConfig(weighting="chain")).loss
     grads = torch.autograd.grad(loss, hiddens)
     assert grads[0][0, 0].abs().sum() > 0  # step 0 of row 0 still learns
     assert grads[1][0, 0].abs().sum() == 0 and grads[2][0, 0].abs().sum() == 0
     assert grads[1][0, 1].abs().sum() > 0  # row 1's chain is open: its step 1 learns
     # Under decay weighting the unreachable chain's later steps are trained all the same.
-    decayed = score_steps(LogitDraft(), hiddens, probs, argmax, w, 0.8).loss
+    decayed = score_steps(LogitDraft(3), hiddens, probs, argmax, w, 0.8).loss
     assert torch.autograd.grad(decayed, hiddens[1])[0][0, 0].abs().sum() > 0
 
 

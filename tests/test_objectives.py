@@ -12,7 +12,7 @@ from eagle3.objectives import ObjectiveConfig, acceptance_rate, position_loss
 from eagle3.schema import ConfigError
 from eagle3.training import OptimConfig, lr_at
 from eagle3.ttt import score_steps, step_weights
-from tests.helpers import random_draft, tiny_draft_config
+from tests.helpers import LogitDraft, random_draft, tiny_draft_config
 
 
 def slow_acceptance(p: list[float], q: list[float]) -> float:
@@ -72,21 +72,6 @@ def test_each_objective_drives_acceptance_up(kind):
     assert start < 0.7 and end > 0.97, (kind, start, end)
 
 
-class VocabDraft:
-    """The hidden state *is* the logits; draft id i is target id i + 10; target ids 10..11
-    are in the draft vocab, 0..9 and 12.. are not."""
-
-    def __init__(self):
-        self.t2d = torch.zeros(20, dtype=torch.bool)
-        self.t2d[10:12] = True
-
-    def logits(self, h):
-        return h
-
-    def draft_to_target(self, ids):
-        return ids + 10
-
-
 def test_score_steps_normalisation_and_unreachable_positions():
     h0 = torch.log(torch.tensor([[[1.0, 1.0], [1.0, 3.0], [2.0, 1.0], [1.0, 1.0]]]))
     probs = torch.tensor([[[0.9, 0.1], [0.2, 0.8], [0.6, 0.4], [0.5, 0.5]]])
@@ -95,10 +80,10 @@ def test_score_steps_normalisation_and_unreachable_positions():
     w = step_weights(torch.tensor([[0, 1, 1, 1]]), torch.ones(1, 4), 1)
     ce0 = -(0.2 * math.log(0.5) + 0.8 * math.log(0.5))
     ce1 = -(0.6 * math.log(0.25) + 0.4 * math.log(0.75))
-    plain = score_steps(VocabDraft(), [h0], probs, argmax, w, 0.8)
+    plain = score_steps(LogitDraft(), [h0], probs, argmax, w, 0.8)
     assert plain.step_loss[0] == pytest.approx((ce0 + ce1) / 2, rel=1e-6)
     per_token = score_steps(
-        VocabDraft(),
+        LogitDraft(),
         [h0],
         probs,
         argmax,
@@ -108,7 +93,7 @@ def test_score_steps_normalisation_and_unreachable_positions():
         real_positions=torch.tensor(4),
     )
     assert per_token.step_loss[0] == pytest.approx((ce0 + ce1) / 4, rel=1e-6)
-    skip = score_steps(VocabDraft(), [h0], probs, argmax, w, 0.8, ObjectiveConfig(skip_unreachable=True))
+    skip = score_steps(LogitDraft(), [h0], probs, argmax, w, 0.8, ObjectiveConfig(skip_unreachable=True))
     assert skip.step_loss[0] == pytest.approx(ce0, rel=1e-6)
     # Accuracy still counts the unreachable row, as a miss: row 0 hits (draft 0 -> 10), row 1 cannot.
     assert skip.step_acc == plain.step_acc == [0.5]
