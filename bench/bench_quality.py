@@ -49,77 +49,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-GRIDS = {
-    # One knob at a time away from the run's own settings.
-    "knobs": [
-        ("base", []),
-        ("objective=log_acceptance", ["train.objective.kind=log_acceptance"]),
-        ("objective=kl_acceptance", ["train.objective.kind=kl_acceptance"]),
-        ("fc_norm", ["draft.fc_norm=true"]),
-        ("norm_before_fc", ["draft.norm_before_fc=true"]),
-        ("noise=none", ["train.ttt.noise.kind=none"]),
-        ("noise=gaussian 0.2", ["train.ttt.noise.std=0.2"]),
-        ("ttt=5", ["train.ttt.length=5", "train.acceptance_k=5"]),
-        ("decay=1.0", ["train.ttt.decay=1.0"]),
-        ("positions=fixed", ["train.ttt.positions=fixed"]),  # SpecForge 0.2.0's unshifted RoPE
-        ("draft_vocab=2048", ["draft.draft_vocab_size=2048"]),
-        ("lr=3e-4", ["train.optim.lr=3e-4"]),
-        ("lr=2e-3", ["train.optim.lr=2e-3"]),
-        ("tokens=answer", ["train.objective.tokens=answer"]),  # the loss mask only (SpecForge)
-        ("init_head=target", ["draft.init_head=target"]),
-        ("rope_theta=10000", ["draft.rope_theta=10000"]),
-    ],
-    # Why the project trailed SpecForge 0.2.0 at equal data: each of SpecForge's settings alone.
-    "specforge": [
-        ("project", []),
-        ("noise=none", ["train.ttt.noise.kind=none"]),
-        ("betas=0.9,0.999", ["train.optim.betas=[0.9,0.999]"]),
-        ("normalise=positions", ["train.objective.normalise=positions"]),
-        ("skip_unreachable", ["train.objective.skip_unreachable=true"]),
-        ("schedule=specforge", ["train.optim.warmup_steps=55", "train.optim.min_lr_ratio=0"]),
-        ("positions=fixed", ["train.ttt.positions=fixed"]),
-        ("tokens=answer", ["train.objective.tokens=answer"]),
-        (
-            "all specforge",
-            [
-                "train.ttt.noise.kind=none",
-                "train.optim.betas=[0.9,0.999]",
-                "train.objective.normalise=positions",
-                "train.objective.skip_unreachable=true",
-                "train.objective.tokens=answer",
-                "train.optim.warmup_steps=55",
-                "train.optim.min_lr_ratio=0",
-            ],
-        ),
-    ],
-}
-GRIDS["long"] = [  # issue 26: what limits held-out acceptance at convergence (10 epochs)
-    ("base", []),
-    ("min_lr_ratio=0", ["train.optim.min_lr_ratio=0"]),
-    ("weight_decay=0.1", ["train.optim.weight_decay=0.1"]),
-    ("dropout=0.1", ["train.dropout=0.1"]),  # residual dropout in the draft layer
-    # SmolLM2-135M's captured states (layers 1, 14, 26) have median |x| 0.8, 2.0 and 9.1: the
-    # default std 0.05 barely touches them
-    ("noise=gaussian 0.5", ["train.ttt.noise.std=0.5"]),
-    ("noise=uniform 0.5", ["train.ttt.noise.kind=uniform", "train.ttt.noise.std=0.5"]),
-    ("betas=0.9,0.999", ["train.optim.betas=[0.9,0.999]"]),
-    ("lr=5e-4", ["train.optim.lr=5e-4"]),
-    # The validation walk of base still rose at every epoch of 10 (1.378 to 1.80, 2026-12-04):
-    # the draft underfits the horizon rather than overfits it. Rebuilt store, seed 0: 1.281,
-    # 1.339, 1.376 at epochs 1-3 against base's 1.388, 1.531, 1.585 (stopped there)
-    ("lr=2e-3", ["train.optim.lr=2e-3"]),
-    ("ttt=5", ["train.ttt.length=5"]),
-    ("decay=0.6", ["train.ttt.decay=0.6"]),
-    ("tokens=answer", ["train.objective.tokens=answer"]),
-    ("draft_vocab=4096", ["draft.draft_vocab_size=4096"]),
-    # 8192 slots hold 95.3% of the held-out answers' tokens, 16384 97.1% (vocab.json)
-    ("draft_vocab=16384", ["draft.draft_vocab_size=16384"]),
-    ("objective=kl_acceptance", ["train.objective.kind=kl_acceptance"]),
-    # Each position's step j weighed by its share of that position's expected accepted
-    # length (0 once an earlier step misses) instead of decay**j everywhere. Seed 0 on the
-    # rebuilt store (2026-12-04): walk 1.844 against base 1.913, step 0 ahead, steps 1-6 behind
-    ("weighting=chain", ["train.objective.weighting=chain"]),
-]
+from bench.quality_grids import GRIDS
+
 TREE = (5, 4, 8)  # SGLang's default drafting for a Llama target: steps, topk, draft tokens
 
 

@@ -204,7 +204,7 @@ def score_steps(
     chain = objective.weighting == "chain"
     total = 0.0
     step_loss, step_acc, step_alpha, correct = [], [], [], []
-    weighed, hit_chance = [], []  # chain: each step's (per-position loss, its scale), and c_j
+    weighed, hit_chance = [], []  # chain: each step's (masked per-position loss, denominator), and c_j
     length = target_probs.shape[1]
     for j, hidden in enumerate(hiddens):
         # Rows t < T-1-j only: the later ones have no label (weight 0). Slicing, not a
