@@ -110,7 +110,13 @@ def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target,
     assert report["acceptance_decoded_sglang_definition"] == pytest.approx(
         report["acceptance_decoded"] + report["prompts"] / passes
     )
-    assert report["acceptance_decoded"] >= 1.0 and report["speedup_decoded"] > 0
+    # The headline is the per-prompt counts pooled (not a mean of per-prompt ratios), within
+    # what k=3 can give; the speed-up is the ratio of the two speeds it reports.
+    rows = report["per_prompt_decoded"]
+    assert sum(r["passes"] for r in rows) == passes and len(rows) == report["prompts"]
+    assert report["acceptance_decoded"] == pytest.approx(sum(r["gained"] for r in rows) / passes)
+    assert 1.0 <= report["acceptance_decoded"] <= 4.0
+    assert report["speedup_decoded"] == pytest.approx(report["tokens_per_s_decoded"] / report["tokens_per_s_plain"])
     # Same draft, same answers, same dtype: the offline walk predicts decoding.
     assert 0.95 <= report["parity_ratio"] <= 1.05, report
     for png in ("per_position.png", "by_prompt_length.png", "speed.png"):

@@ -33,6 +33,7 @@ class CaptureLikeActor:
 
     def report(self) -> float:
         tokens = StageMetrics("capture", "tokens", worker="actor0", total=300)
+        tokens.started -= 2.0  # as if it had started two seconds ago: 120 tokens make ~60 a second
         tokens.advance(100)
         tokens.advance(20)
         return tokens.done
@@ -70,12 +71,17 @@ def test_stage_metrics_are_exported_while_a_stage_runs(monkeypatch):
         ("ray_eagle3_stage_progress", "generate", "conversations", "driver"): 12.0,
         ("ray_eagle3_stage_total", "generate", "conversations", "driver"): 48.0,
     }
+    rate = ("ray_eagle3_stage_throughput", "capture", "tokens", "actor0")
+
+    def arrived(values: dict) -> bool:  # the last values: an export can carry one gauge's newest value before another's
+        return {k: values.get(k) for k in want} == want and 59.0 < values.get(rate, 0.0) <= 60.0
+
     deadline, values = time.monotonic() + 60, {}
     while time.monotonic() < deadline:  # exported every few seconds
         values = scrape(port)
-        if all(k in values for k in want):
+        if arrived(values):
             break
         time.sleep(1)
     assert {k: values.get(k) for k in want} == want
-    assert values[("ray_eagle3_stage_throughput", "capture", "tokens", "actor0")] > 0
+    assert 59.0 < values.get(rate, 0.0) <= 60.0, values.get(rate)  # 120 tokens over ~2 s
     ray.kill(actor)

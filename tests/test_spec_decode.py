@@ -79,15 +79,12 @@ def test_eagle3_draft_decoding_is_lossless(target, steps, topk, ndt, norms):
     """Lossless for any draft, the feature norms before fc included (the decoder fuses with them)."""
     draft = random_draft(tiny_draft_config(target_hidden_size=24, **norms), seed=steps + topk)
     dec = SpeculativeDecoder(target, Eagle3Drafter(draft), LAYERS, num_steps=steps, topk=topk, num_draft_tokens=ndt)
-    forwards = 0
     for p in prompts(10, seed=steps * 10 + topk):
         ref, _ = greedy_decode(target, p, 25)
         res = dec.generate(p, 25)
         assert res.tokens == ref, (p, steps, topk)
         assert res.gained == 24  # every token after the prefill's came from a verify pass
         assert 1 <= res.acceptance_length <= steps + 1
-        forwards += res.target_forwards
-    assert forwards > 0
 
 
 @pytest.mark.parametrize("steps,topk,ndt", [(4, 1, 5), (3, 2, 7), (3, 2, 4)])
