@@ -66,6 +66,8 @@ GRIDS["long"] = [  # issue 26: what limits held-out acceptance at convergence (1
     ("ttt=5", ["train.ttt.length=5"]),
     ("decay=0.6", ["train.ttt.decay=0.6"]),
     ("tokens=answer", ["train.objective.tokens=answer"]),
+    # Every position at first, the prompt's weighed down to 0 by half the run, answers after
+    ("tokens=fade", ["train.objective.tokens=fade"]),
     ("draft_vocab=4096", ["draft.draft_vocab_size=4096"]),
     # 8192 slots hold 95.3% of the held-out answers' tokens, 16384 97.1% (vocab.json)
     ("draft_vocab=16384", ["draft.draft_vocab_size=16384"]),

@@ -42,9 +42,14 @@ class ObjectiveConfig:
     skip_unreachable: bool = False
     # Which positions training scores: "all" (every real token, the prompt's too, each
     # labelled with the target's own distribution there: more positions per sample from
-    # the same data; the draft underfits, so this helps, see the README's ablations) or
-    # "answer" (the loss mask only, as SpecForge 0.2.0). Evaluation always scores the answers.
-    tokens: Literal["answer", "all"] = "all"
+    # the same data; the draft underfits, so this helps, see the README's ablations),
+    # "answer" (the loss mask only, as SpecForge 0.2.0), or "fade": every position at first,
+    # the prompt's weighed linearly down from 1 at step 0 to 0 at `fade_until` of the run's
+    # learning-rate horizon, the answers only after (issue 26: the prompt's labels help
+    # while the draft underfits, and may only take capacity from the answers once it has
+    # seen them several times). Evaluation always scores the answers.
+    tokens: Literal["answer", "all", "fade"] = "all"
+    fade_until: float = 0.5
     # soft_ce a block of this many rows at a time (eagle3.chunked_loss), the logits
     # recomputed in backward: per TTT step autograd keeps no [T, draft vocab] tensor (1 GiB
     # at T 8192, vocab 32000), for one more lm_head matmul. 0: all rows at once.
@@ -62,11 +67,11 @@ class ObjectiveConfig:
             raise ConfigError(f"{where}.kind={self.kind!r} is not one of {list(OBJECTIVES)}")
         if self.normalise not in ("scored", "positions"):
             raise ConfigError(f"{where}.normalise={self.normalise!r} is not 'scored' or 'positions'")
-        if self.tokens not in ("answer", "all"):
-            raise ConfigError(f"{where}.tokens={self.tokens!r} is not 'answer' or 'all'")
+        if self.tokens not in ("answer", "all", "fade"):
+            raise ConfigError(f"{where}.tokens={self.tokens!r} is not 'answer', 'all' or 'fade'")
         if self.weighting not in ("decay", "chain"):
             raise ConfigError(f"{where}.weighting={self.weighting!r} is not 'decay' or 'chain'")
-        check_ranges(self, where, loss_block_rows=">=0")
+        check_ranges(self, where, loss_block_rows=">=0", fade_until="(0,1]")
         if self.loss_block_rows and self.weighting == "chain":
             raise ConfigError(
                 f"{where}.weighting='chain' reads each step's probability of the target's token, which "
@@ -77,6 +82,13 @@ class ObjectiveConfig:
                 f"{where}.loss_block_rows={self.loss_block_rows} computes soft_ce in blocks; "
                 f"{where}.kind={self.kind!r} needs the whole distribution: set it to 0"
             )
+
+    def prompt_weight(self, step: int, horizon: int) -> float:
+        """The weight of the prompt's positions in training at `step` of a `horizon`-step run
+        (the answers' weigh 1): 1 for "all", 0 for "answer", the fade's ramp for "fade"."""
+        if self.tokens != "fade":
+            return 1.0 if self.tokens == "all" else 0.0
+        return max(0.0, 1.0 - step / (self.fade_until * horizon))
 
 
 def acceptance_rate(log_q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -137,8 +137,12 @@ def forward_batch(
     train: bool,
     generator=None,
     objective: ObjectiveConfig | None = None,
+    prompt_weight: float | None = None,
 ):
     """Unroll and score one batch; returns StepScores (loss differentiable when train).
+
+    In training the prompt's positions weigh `prompt_weight` against the answers' 1 (None:
+    the objective's weight at the run's first step, `ObjectiveConfig.prompt_weight`).
 
     Packed batches (eagle3.target_features.pack_samples) also carry `position_ids` and
     `segment_ids` [B, T]; a batch without them is one sample per row."""
@@ -161,10 +165,12 @@ def forward_batch(
         shift_positions=ttt.positions == "shifted",
     )
     objective = objective or ObjectiveConfig()
-    scored = batch["loss_mask"]
-    if train and objective.tokens == "all":
-        scored = batch["attention_mask"]  # the prompt's positions too (ObjectiveConfig.tokens)
-    weights = step_weights(scored, batch["attention_mask"], ttt.length, segment_ids=segments)
+    weights = step_weights(batch["loss_mask"], batch["attention_mask"], ttt.length, segment_ids=segments)
+    if train:  # the prompt's positions too, as much as ObjectiveConfig.tokens says
+        weight = objective.prompt_weight(0, 1) if prompt_weight is None else prompt_weight
+        if weight > 0:
+            every = step_weights(batch["attention_mask"], batch["attention_mask"], ttt.length, segment_ids=segments)
+            weights = every if weight == 1 else weights + weight * (every - weights)
     return score_steps(
         draft, hiddens, probs, best, weights, ttt.decay, objective, real_positions=batch["attention_mask"].sum()
     )
@@ -202,10 +208,13 @@ class PlainOptimizer:
         return grad_norm
 
 
-def train_step(opt, head, micro_batches: list[dict], lr: float, cfg: LoopConfig, generator=None) -> dict:
+def train_step(
+    opt, head, micro_batches: list[dict], lr: float, cfg: LoopConfig, generator=None, prompt_weight=None
+) -> dict:
     """One optimizer step over `micro_batches` (forward, TTT loss, backward each), the one
     step every backend runs: `opt` is a PlainOptimizer or the DeepSpeed engine's wrapper.
-    Returns the step's figures, averaged over its micro-batches."""
+    `prompt_weight`: see `forward_batch` (`fit` passes the schedule's). Returns the step's
+    figures, averaged over its micro-batches."""
     opt.begin(lr)
     opt.module.midlayer.recompute_mlp = cfg.activation_checkpointing == "mlp"
     opt.module.midlayer.dropout = (cfg.dropout, generator) if cfg.dropout else None
@@ -213,7 +222,14 @@ def train_step(opt, head, micro_batches: list[dict], lr: float, cfg: LoopConfig,
     for batch in micro_batches:
         with autocast_for(cfg.compute_dtype, batch["input_ids"].device):
             s = forward_batch(
-                opt.module, head, batch, cfg.ttt, train=True, generator=generator, objective=cfg.objective
+                opt.module,
+                head,
+                batch,
+                cfg.ttt,
+                train=True,
+                generator=generator,
+                objective=cfg.objective,
+                prompt_weight=prompt_weight,
             )
         opt.backward(s.loss, len(micro_batches))
         scores.append(s)
@@ -303,7 +319,9 @@ def fit(
     t0, tokens_since = time.perf_counter(), 0
     for step in range(start, cfg.steps):
         micro = next_batches()
-        figures = train_step(opt, head, micro, lr_at(step, cfg.steps, cfg.optim), cfg, generator)
+        horizon = cfg.optim.horizon_steps or cfg.steps  # the learning rate's and the prompt fade's
+        prompt_weight = cfg.objective.prompt_weight(step, horizon)
+        figures = train_step(opt, head, micro, lr_at(step, cfg.steps, cfg.optim), cfg, generator, prompt_weight)
         loss, tokens = figures["loss"], sum(int(b["attention_mask"].sum()) for b in micro)
         if hooks.reduce is not None:
             loss, tokens = hooks.reduce(loss, tokens)

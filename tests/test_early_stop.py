@@ -115,3 +115,35 @@ def test_a_run_resumed_from_its_checkpoint_hook_ends_as_the_uninterrupted_run(dr
         resume={**saved[4][1], "optimizer": {"state": {}, "param_groups": saved[4][1]["optimizer"]["param_groups"]}},
     )
     assert any(not torch.equal(weights(warm)[n], w) for n, w in weights(draft).items())
+
+
+def test_the_prompt_fade_follows_the_loops_step_across_a_resume():
+    """objective.tokens=fade over fade_until=0.1 of a 10-step run weighs the prompt 1 at
+    step 0 and 0 from step 1: it ends bit-equal to one step on every token (on the same
+    10-step horizon) resumed into nine on the answers only, and unlike either alone."""
+    from eagle3.objectives import ObjectiveConfig
+
+    target, batches, head, cfg = setup()
+    horizon = dataclasses.replace(cfg.optim, horizon_steps=10)
+
+    def run(objective, steps=10, resume=None, start_weights=None, checkpoint=None):
+        draft = fresh_draft(target, batches[0])
+        if start_weights is not None:
+            draft.load_state_dict(start_weights, strict=False)
+        loop = dataclasses.replace(cfg, steps=steps, optim=horizon, objective=objective, checkpoint_every=1)
+        train_in_memory(draft, head, batches, loop, resume=resume, checkpoint=checkpoint)
+        return weights(draft)
+
+    faded = run(ObjectiveConfig(tokens="fade", fade_until=0.1))
+    saved: dict = {}
+    first = run(
+        ObjectiveConfig(tokens="all"),
+        steps=1,
+        checkpoint=lambda done, best, last_eval, loop: saved.update(loop=copy.deepcopy(loop)),
+    )
+    pieced = run(ObjectiveConfig(tokens="answer"), resume=saved["loop"], start_weights=first)
+    for n, w in faded.items():
+        assert torch.equal(pieced[n], w), n
+    for fixed in ("all", "answer"):
+        other = run(ObjectiveConfig(tokens=fixed))
+        assert any(not torch.equal(other[n], w) for n, w in faded.items()), fixed

@@ -108,19 +108,19 @@ def test_objective_config_refuses_unknown_kinds():
         ObjectiveConfig(kind="mse").validate()
     with pytest.raises(ConfigError, match="normalise='tokens'"):
         ObjectiveConfig(normalise="tokens").validate()
-    with pytest.raises(ConfigError, match="objective.tokens='prompt' is not 'answer' or 'all'"):
+    with pytest.raises(ConfigError, match="objective.tokens='prompt' is not 'answer', 'all' or 'fade'"):
         ObjectiveConfig(tokens="prompt").validate()
+    with pytest.raises(ConfigError, match="fade_until"):
+        ObjectiveConfig(tokens="fade", fade_until=0).validate()
 
 
-def test_training_on_all_tokens_scores_the_prompt_in_training_only():
-    """objective.tokens=all: training scores every row whose label is a real token of the
-    sample (prompt included); evaluation keeps scoring the answers (the loss mask)."""
+def prompt_and_answer_batch():
+    """A random draft, head and two-row batch: row 0 a 7-token prompt and 5-token answer,
+    row 1 a 5-token prompt and 4-token answer, then padding."""
     from eagle3.target_head import TargetHead
-    from eagle3.training import forward_batch
-    from eagle3.ttt import NoiseConfig, TTTConfig
 
-    cfg = tiny_draft_config()
-    draft = random_draft(cfg, dtype=torch.float32)
+    torch.manual_seed(0)
+    draft = random_draft(tiny_draft_config(), dtype=torch.float32)
     head = TargetHead(torch.randn(97, 24))
     t = 12
     batch = {
@@ -133,6 +133,17 @@ def test_training_on_all_tokens_scores_the_prompt_in_training_only():
     batch["attention_mask"][1, 9:] = 0  # row 1 is padded after 9 tokens
     batch["loss_mask"][0, 7:] = 1
     batch["loss_mask"][1, 5:9] = 1
+    return draft, head, batch
+
+
+def test_training_on_all_tokens_scores_the_prompt_in_training_only():
+    """objective.tokens=all: training scores every row whose label is a real token of the
+    sample (prompt included); evaluation keeps scoring the answers (the loss mask)."""
+    from eagle3.training import forward_batch
+    from eagle3.ttt import NoiseConfig, TTTConfig
+
+    draft, head, batch = prompt_and_answer_batch()
+    t = batch["input_ids"].shape[1]
     ttt = TTTConfig(length=3, noise=NoiseConfig(kind="none"))
     assert ObjectiveConfig().tokens == "all"  # the default (README: ablations)
     answer = forward_batch(draft, head, batch, ttt, train=True, objective=ObjectiveConfig(tokens="answer"))
@@ -146,6 +157,41 @@ def test_training_on_all_tokens_scores_the_prompt_in_training_only():
         for j in range(3):
             want[b, : max(0, n - 2 - j), j] = 1
     assert torch.equal(every.weights, want)
+
+
+def test_the_prompt_fade_weighs_the_prompt_down_to_answers_only():
+    """objective.tokens=fade: the prompt's rows weigh 1 at step 0, linearly less to 0 at
+    fade_until of the horizon, 0 after; the answers' rows weigh 1 throughout. Checked
+    against the two fixed masks: weights = answer + w * (all - answer), and the loss is the
+    same blend of the two per-step losses' numerators."""
+    from eagle3.training import forward_batch
+    from eagle3.ttt import NoiseConfig, TTTConfig
+
+    fade = ObjectiveConfig(tokens="fade", fade_until=0.5)
+    fade.validate()
+    assert [fade.prompt_weight(s, 100) for s in (0, 10, 25, 49, 50, 80)] == pytest.approx([1, 0.8, 0.5, 0.02, 0, 0])
+    assert ObjectiveConfig(tokens="all").prompt_weight(99, 100) == 1.0
+    assert ObjectiveConfig(tokens="answer").prompt_weight(0, 100) == 0.0
+
+    draft, head, batch = prompt_and_answer_batch()
+    ttt = TTTConfig(length=2, noise=NoiseConfig(kind="none"), decay=1.0)
+
+    def scores(objective, weight=None):
+        return forward_batch(draft, head, batch, ttt, train=True, objective=objective, prompt_weight=weight)
+
+    answer, every = scores(ObjectiveConfig(tokens="answer")), scores(ObjectiveConfig(tokens="all"))
+    assert torch.equal(scores(fade).weights, every.weights)  # no step given: the run's first
+    assert torch.equal(scores(fade, 1.0).weights, every.weights)
+    assert torch.equal(scores(fade, 0.0).weights, answer.weights)
+    half = scores(fade, 0.3)
+    assert torch.allclose(half.weights, answer.weights + 0.3 * (every.weights - answer.weights))
+    # Per step j the loss is sum(w * l) / sum(w): with n_a answer rows and n_p prompt rows,
+    # the fade's numerator is n_a * L_answer + 0.3 * (n_all * L_all - n_a * L_answer).
+    n_a, n_all = answer.weights.sum((0, 1)), every.weights.sum((0, 1))
+    la, le = answer.step_loss_t, every.step_loss_t
+    want = (n_a * la + 0.3 * (n_all * le - n_a * la)) / (n_a + 0.3 * (n_all - n_a))
+    assert torch.allclose(half.step_loss_t, want, rtol=1e-5)
+    assert half.loss.item() == pytest.approx(float(want.sum()), rel=1e-5)
 
 
 def test_horizon_keeps_the_long_runs_learning_rates():
