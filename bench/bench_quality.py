@@ -25,7 +25,10 @@ validation part every `--eval-every` steps (default once an epoch). It stops ear
 * training tokens/s.
 
 One trial at a time by default, with every core (`--jobs N` shares the cores out between N
-trials: on two cores two single-thread trials contend for memory bandwidth and caches).
+trials: on two cores two single-thread trials contend for memory bandwidth and caches;
+`--threads` sets the count outright, e.g. to add one more trial beside running ones).
+A trial's figures depend on its thread count (the order of the sums), and each trial
+records it: resume a trial with the count it started with.
 Each finished trial is kept in `<out>/../trials/` (its figures and trained weights), so a
 rerun, or one with more settings or seeds, trains only what is new; a trial killed mid-run
 goes on from its last walk (`<trial>.resume.pt`, written at each walk). Each setting runs once
@@ -262,6 +265,7 @@ def run_trial(args: dict) -> dict:
         "step_alpha": ev["step_alpha"][:k],
         "acceptance_walk": ev["acceptance_walk"],
         "vocab_covered": covered,
+        "threads": torch.get_num_threads(),  # the figures depend on it (reduction order)
     }
     weights = trial_file(args, "safetensors")
     save_file(dict(trainable(draft)), str(weights) + ".tmp")
@@ -413,6 +417,13 @@ def main(argv=None) -> None:
     ap.add_argument("--decode-tokens", type=int, default=96)
     ap.add_argument("--finalists", type=int, default=3, help="decode the baseline and the N best other settings")
     ap.add_argument("--jobs", type=int, default=1, help="trials at a time; the cores are shared out between them")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="threads per trial (0: the cores shared out by --jobs, or every core for a trial left alone); "
+        "a trial's figures depend on it, so resume one with the count it started with",
+    )
     ap.add_argument("--out", type=Path, default=None, help="default: <run_dir>/ablation/ablation.{json,md}")
     a = ap.parse_args(argv)
     cfg, target, fit, val, final_is_normed, store_key = load_split(a.overrides, a.validation_fraction)
@@ -420,7 +431,7 @@ def main(argv=None) -> None:
     out = a.out or cfg.run_path / "ablation" / "ablation"
     trials_dir = out.parent / "trials"
     trials_dir.mkdir(parents=True, exist_ok=True)
-    threads = max(1, (os.cpu_count() or 1) // a.jobs)
+    threads = a.threads or max(1, (os.cpu_count() or 1) // a.jobs)
     shared = {
         "base": a.overrides,
         "steps": a.steps,
@@ -488,11 +499,12 @@ def decode_one(args: dict) -> dict:
 def run_all(fn, trials: list[dict], a, threads: int):
     """(trial, fn(trial)) in order: `--jobs` at a time in a pool of workers with `threads`
     each, and what is left over when fewer than `--jobs` remain in this process, with every
-    core (no start-up of another interpreter, no core left idle)."""
+    core unless `--threads` says otherwise (no start-up of another interpreter, no core left
+    idle)."""
     pooled = len(trials) - len(trials) % a.jobs if a.jobs > 1 else 0
     if pooled:
         yield from run_pooled(fn, trials[:pooled], a, threads)
-    _DATA["threads"] = os.cpu_count() or 1
+    _DATA["threads"] = a.threads or os.cpu_count() or 1
     for t in trials[pooled:]:
         yield t, fn(t)
 

@@ -465,6 +465,7 @@ def test_a_killed_quality_trial_resumes_from_its_last_walk_exactly(tiny_target, 
     run_dir = copy_run(captured, tmp_path / "run")
     args = ["--overrides", *overrides(tiny_target, run_dir), "--only", "base", "--steps", "40", "--seeds", "0"]
     args += ["--validation-fraction", "0.3", "--eval-every", "2", "--patience", "0", "--decode-prompts", "0"]
+    args += ["--threads", "1"]  # one trial runs in the bench's process: with every core unless told
     killed, whole = tmp_path / "killed" / "ablation", tmp_path / "whole" / "ablation"
     cmd = [sys.executable, "-m", "bench.bench_quality", *args, "--out", str(killed)]
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
@@ -490,6 +491,7 @@ def test_a_killed_quality_trial_resumes_from_its_last_walk_exactly(tiny_target, 
     a, b = (json.loads(d.with_suffix(".json").read_text())["trials"][0] for d in (killed, whole))
     assert a.pop("train_tokens_per_s") > 1 and b.pop("train_tokens_per_s") > 1
     assert a == b and len(a["curve"]) == 20  # walks, best step, per-step figures: all equal
+    assert a["threads"] == 1
     (wa,), (wb,) = (list((d.parent / "trials").glob("*.safetensors")) for d in (killed, whole))
     ta, tb = load_file(str(wa)), load_file(str(wb))
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
