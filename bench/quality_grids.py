@@ -58,8 +58,9 @@ GRIDS["long"] = [  # issue 26: what limits held-out acceptance at convergence (1
     ("noise=gaussian 0.5", ["train.ttt.noise.std=0.5"]),
     ("noise=uniform 0.5", ["train.ttt.noise.kind=uniform", "train.ttt.noise.std=0.5"]),
     ("betas=0.9,0.999", ["train.optim.betas=[0.9,0.999]"]),
-    # Rebuilt store (2026-12-05): ahead of base at most epochs on both seeds, but seed 0
-    # stalled at epochs 7-8 and patience 2 stopped it at 2568 (best 1.786 at 1926)
+    # Rebuilt store (2026-12-05): ahead of base on both seeds through epoch 6, then both dip;
+    # patience 2 stopped seed 0 at 2568 (best 1.786 at 1926), seed 1 peaked at 1.879 (step
+    # 3210) and fell to 1.840 by 3690: best walks 1.833 (1.786-1.879) against 1.896
     ("lr=5e-4", ["train.optim.lr=5e-4"]),
     # The validation walk of base still rose at every epoch of 10 (1.378 to 1.80, 2026-12-04):
     # the draft underfits the horizon rather than overfits it. Rebuilt store, seed 0: 1.281,
@@ -69,13 +70,13 @@ GRIDS["long"] = [  # issue 26: what limits held-out acceptance at convergence (1
     ("decay=0.6", ["train.ttt.decay=0.6"]),
     ("tokens=answer", ["train.objective.tokens=answer"]),
     # Every position at first, the prompt's weighed down to 0 by half the run, answers after.
-    # Rebuilt store, seed 0 (2026-12-05): 1.388, 1.544, 1.563 at epochs 1-3 (base 1.388,
-    # 1.531, 1.585), then stopped for lr=5e-4's second seed; its resume state is kept
+    # Rebuilt store, seed 0 (2026-12-05), epochs 1-7: 1.388 1.544 1.563 1.642 1.668 1.739
+    # 1.794 (base 1.388 1.531 1.585 1.637 1.697 1.754 1.831): behind from the fifth epoch
     ("tokens=fade", ["train.objective.tokens=fade"]),
     ("draft_vocab=4096", ["draft.draft_vocab_size=4096"]),
     # 8192 slots hold 95.3% of the held-out answers' tokens, 16384 97.1% (vocab.json). Rebuilt
     # store, seeds 0 and 1 (2026-12-05): best walks 1.936 / 1.888 against base's 1.913 /
-    # 1.879, both ahead, by less than base's spread; 20% fewer training tokens/s
+    # 1.879, both ahead, by less than base's spread (its lm_head and loss twice as wide)
     ("draft_vocab=16384", ["draft.draft_vocab_size=16384"]),
     ("objective=kl_acceptance", ["train.objective.kind=kl_acceptance"]),
     # Each position's step j weighed by its share of that position's expected accepted

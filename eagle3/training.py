@@ -165,12 +165,13 @@ def forward_batch(
         shift_positions=ttt.positions == "shifted",
     )
     objective = objective or ObjectiveConfig()
-    weights = step_weights(batch["loss_mask"], batch["attention_mask"], ttt.length, segment_ids=segments)
-    if train:  # the prompt's positions too, as much as ObjectiveConfig.tokens says
-        weight = objective.prompt_weight(0, 1) if prompt_weight is None else prompt_weight
-        if weight > 0:
-            every = step_weights(batch["attention_mask"], batch["attention_mask"], ttt.length, segment_ids=segments)
-            weights = every if weight == 1 else weights + weight * (every - weights)
+    # The prompt's positions count in training only, as much as ObjectiveConfig.tokens says.
+    weight = 0.0 if not train else objective.prompt_weight(0, 1) if prompt_weight is None else prompt_weight
+    scored = batch["attention_mask"] if weight == 1 else batch["loss_mask"]
+    weights = step_weights(scored, batch["attention_mask"], ttt.length, segment_ids=segments)
+    if 0 < weight < 1:  # the answers' rows at 1, the prompt's at `weight`
+        every = step_weights(batch["attention_mask"], batch["attention_mask"], ttt.length, segment_ids=segments)
+        weights = weights + weight * (every - weights)
     return score_steps(
         draft, hiddens, probs, best, weights, ttt.decay, objective, real_positions=batch["attention_mask"].sum()
     )
@@ -317,11 +318,11 @@ def fit(
     hooks = hooks or LoopHooks()
     state = LoopState(best=best)
     t0, tokens_since = time.perf_counter(), 0
+    horizon = cfg.optim.horizon_steps or cfg.steps  # the learning rate's and the prompt fade's
     for step in range(start, cfg.steps):
         micro = next_batches()
-        horizon = cfg.optim.horizon_steps or cfg.steps  # the learning rate's and the prompt fade's
         prompt_weight = cfg.objective.prompt_weight(step, horizon)
-        figures = train_step(opt, head, micro, lr_at(step, cfg.steps, cfg.optim), cfg, generator, prompt_weight)
+        figures = train_step(opt, head, micro, lr_at(step, horizon, cfg.optim), cfg, generator, prompt_weight)
         loss, tokens = figures["loss"], sum(int(b["attention_mask"].sum()) for b in micro)
         if hooks.reduce is not None:
             loss, tokens = hooks.reduce(loss, tokens)

@@ -185,7 +185,7 @@ def test_the_prompt_fade_weighs_the_prompt_down_to_answers_only():
     assert torch.equal(scores(fade, 0.0).weights, answer.weights)
     half = scores(fade, 0.3)
     assert torch.allclose(half.weights, answer.weights + 0.3 * (every.weights - answer.weights))
-    # Per step j the loss is sum(w * l) / sum(w): with n_a answer rows and n_p prompt rows,
+    # Per step j the loss is sum(w * l) / sum(w): with n_a answer rows of n_all in all,
     # the fade's numerator is n_a * L_answer + 0.3 * (n_all * L_all - n_a * L_answer).
     n_a, n_all = answer.weights.sum((0, 1)), every.weights.sum((0, 1))
     la, le = answer.step_loss_t, every.step_loss_t
