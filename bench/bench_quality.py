@@ -214,8 +214,9 @@ def run_trial(args: dict) -> dict:
     def at_walk(done: int, best: dict, last_eval: dict, loop: dict) -> None:
         # Evaluating changes nothing in training (no noise, no RNG draw): the weights at a
         # step are those of a run that never evaluated.
-        if best["step"] == done:
-            kept.update(step=done, weights={n: p.detach().clone() for n, p in trainable(draft)})
+        if best["step"] == done:  # the weights evaluated: the average's with train.ema_decay
+            evaluated = loop["average"]["average"] if "average" in loop else dict(trainable(draft))
+            kept.update(step=done, weights={n: p.detach().clone() for n, p in evaluated.items()})
         walks.append((done, last_eval["acceptance_walk"], last_eval["step_alpha"][0]))
         train_s = seconds_before + time.perf_counter() - t0
         state = {"weights": dict(trainable(draft)), "walks": walks, "kept": kept, "loop": loop, "train_s": train_s}
@@ -247,8 +248,8 @@ def run_trial(args: dict) -> dict:
     curve = walks
     done = curve[-1][0]
     best_step = max(curve, key=lambda c: c[1])[0]  # the first of equal walks, as LoopState.best
-    if best_step != done:  # the last step's weights are the model's own; restore the best's
-        draft.load_state_dict(kept["weights"], strict=False)
+    # The best walk's weights, as evaluated (a run resumed at its end holds the raw ones)
+    draft.load_state_dict(kept["weights"], strict=False)
     ev = evaluate(draft, head, val_batches, val_cfg)
     tokens = sum(int(x["attention_mask"].sum()) for x in order[:done])
     k = cfg.evaluate.num_steps

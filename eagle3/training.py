@@ -12,6 +12,7 @@ of tensors:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from eagle3.objectives import ObjectiveConfig
 from eagle3.schema import NOT_OUTPUT, ConfigError, check_ranges
 from eagle3.target_head import TargetHead
 from eagle3.ttt import TTTConfig, add_noise, score_steps, step_weights, unroll
+from eagle3.weight_average import WeightAverage
 
 
 @dataclass
@@ -73,6 +75,10 @@ class LoopConfig:
     # Residual dropout in the draft layer (its attention's and MLP's outputs), training only:
     # a regulariser against the overfit of many epochs over few samples (issue 26).
     dropout: float = 0.0
+    # Evaluate, choose the best walk by and save the exponential moving average of the
+    # weights, with this decay (eagle3.weight_average; 0: the weights of the last step).
+    # Training steps the raw weights either way.
+    ema_decay: float = 0.0
     acceptance_k: int = 4  # draft tokens per target pass in the simulated acceptance
     log_every: int = field(default=25, metadata=NOT_OUTPUT)
     eval_every: int = 100  # held-out evaluation, steps (and at the end, and at each checkpoint)
@@ -88,6 +94,7 @@ class LoopConfig:
             where,
             steps=">=1",
             dropout="[0,1)",
+            ema_decay="[0,1)",
             acceptance_k=">=1",
             log_every=">=1",
             eval_every=">=1",
@@ -309,12 +316,16 @@ def fit(
     hooks: LoopHooks | None = None,
     start: int = 0,
     best: dict | None = None,
+    average: WeightAverage | None = None,
 ) -> LoopState:
     """Train from step `start` to `cfg.steps`: each step takes its micro-batches from
     `next_batches()`, at the learning rate of the warmup + cosine schedule. Evaluates every
     `eval_every` steps, at the end and before each checkpoint (so a checkpoint knows its
     best); logs step 0, every `log_every` steps and the end, whether or not the run was
-    resumed in between; checkpoints every `checkpoint_every` steps and at the end."""
+    resumed in between; checkpoints every `checkpoint_every` steps and at the end.
+
+    `average` (cfg.ema_decay > 0) is updated after each step, and evaluation sees its
+    weights; the checkpoint hook gets the raw ones in the module, the caller saves both."""
     hooks = hooks or LoopHooks()
     state = LoopState(best=best)
     t0, tokens_since = time.perf_counter(), 0
@@ -323,6 +334,8 @@ def fit(
         micro = next_batches()
         prompt_weight = cfg.objective.prompt_weight(step, horizon)
         figures = train_step(opt, head, micro, lr_at(step, horizon, cfg.optim), cfg, generator, prompt_weight)
+        if average is not None:
+            average.update()
         loss, tokens = figures["loss"], sum(int(b["attention_mask"].sum()) for b in micro)
         if hooks.reduce is not None:
             loss, tokens = hooks.reduce(loss, tokens)
@@ -333,7 +346,8 @@ def fit(
             done == cfg.steps or (cfg.checkpoint_every and done % cfg.checkpoint_every == 0)
         )
         if hooks.evaluate is not None and (done % cfg.eval_every == 0 or done == cfg.steps or checkpoint_now):
-            state.last_eval = record["eval"] = hooks.evaluate()
+            with average.applied() if average is not None else contextlib.nullcontext():
+                state.last_eval = record["eval"] = hooks.evaluate()
             walk = state.last_eval["acceptance_walk"] if state.last_eval else None
             if walk is not None and (state.best is None or walk > state.best["acceptance_walk"]):
                 state.best = {"step": done, "acceptance_walk": walk}
@@ -368,25 +382,34 @@ def train_in_memory(
     (`evaluate` on `eval_batches`, with `eval_cfg`'s TTT length and k, default `cfg`'s) where
     one was due. `stop` may end the run early after an evaluation (`LoopHooks.stop`).
 
+    With `cfg.ema_decay`, the draft ends holding the weight average (what was evaluated).
+
     `checkpoint(done, best, last_eval, loop)` is called every `checkpoint_every` steps and
-    at the end, `loop` holding what a resume needs besides the draft's weights: the step,
-    the best evaluation, the optimizer's and the noise generator's states. `resume=loop`
-    (with the draft's weights of that step already loaded) goes on from there, exactly."""
+    at the end, `loop` holding what a resume needs besides the draft's (raw) weights: the
+    step, the best evaluation, the optimizer's and the noise generator's states, and with
+    `cfg.ema_decay` the weight average (`loop["average"]["average"]`: the evaluated
+    weights, by name). `resume=loop` (with the draft's raw weights of that step already
+    loaded) goes on from there, exactly."""
     if not batches:
         raise ValueError("train_in_memory got no batches")
     torch.manual_seed(cfg.seed)
     generator = torch.Generator(device=batches[0]["input_ids"].device).manual_seed(cfg.seed)
     opt = PlainOptimizer(draft, cfg.optim)
+    average = WeightAverage(draft, cfg.ema_decay) if cfg.ema_decay else None
     start, best = 0, None
     if resume is not None:
         opt.optimizer.load_state_dict(resume["optimizer"])
         generator.set_state(resume["generator"])
         start, best = resume["step"], resume["best"]
+        if average is not None:
+            average.load_state_dict(resume["average"])
     taken = iter(range(start, cfg.steps))
     history: list[dict] = []
 
     def save(done: int, best: dict | None, last_eval: dict | None) -> None:
         loop = {"step": done, "best": best, "optimizer": opt.optimizer.state_dict(), "generator": generator.get_state()}
+        if average is not None:
+            loop["average"] = average.state_dict()
         checkpoint(done, best, last_eval, loop)
 
     hooks = LoopHooks(
@@ -395,5 +418,17 @@ def train_in_memory(
         stop=stop,
         checkpoint=None if checkpoint is None else save,
     )
-    fit(opt, head, lambda: [batches[next(taken) % len(batches)]], cfg, generator, hooks, start=start, best=best)
+    fit(
+        opt,
+        head,
+        lambda: [batches[next(taken) % len(batches)]],
+        cfg,
+        generator,
+        hooks,
+        start=start,
+        best=best,
+        average=average,
+    )
+    if average is not None:  # the trained draft is the average, as the train stage saves it
+        average.copy_to_module()
     return history

@@ -81,14 +81,15 @@ def test_a_stop_ends_the_run_at_its_step_with_the_full_runs_weights_there():
     assert any(not torch.equal(full_final[n], final[n]) for n in final)  # the stop really cut training
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.2])
-def test_a_run_resumed_from_its_checkpoint_hook_ends_as_the_uninterrupted_run(dropout):
+@pytest.mark.parametrize("dropout, ema_decay", [(0.0, 0.0), (0.2, 0.0), (0.0, 0.8)])
+def test_a_run_resumed_from_its_checkpoint_hook_ends_as_the_uninterrupted_run(dropout, ema_decay):
     """`train_in_memory(checkpoint=)` hands over what a resume needs besides the weights;
     `resume=` of it, in a fresh draft with that step's weights, ends bit-equal to the run
     never interrupted (the optimizer's moments, the noise generator and the best kept);
-    dropout's masks come from the same generator, so they resume too."""
+    dropout's masks come from the same generator, so they resume too, and so does the
+    weight average (the final draft, and every evaluation, are the average's)."""
     target, batches, head, cfg = setup()
-    cfg = dataclasses.replace(cfg, checkpoint_every=2, dropout=dropout)
+    cfg = dataclasses.replace(cfg, checkpoint_every=2, dropout=dropout, ema_decay=ema_decay)
     draft = fresh_draft(target, batches[0])
     saved: dict = {}
 

@@ -22,7 +22,7 @@ from tests.helpers import kill_run
 from workflows import full
 from workflows.core.config import compose
 from workflows.train import stage as train_stage
-from workflows.train.checkpoint import latest_ray_checkpoint
+from workflows.train.checkpoint import AVERAGE, TRAINING_WEIGHTS, latest_ray_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,8 +79,14 @@ def logged_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in file.read_text().splitlines() if line.strip()]
 
 
+# The model evaluated and saved: the last step's weights, or their moving average
+# (train.ema_decay: its state, and the plain loop's raw weights, go with each checkpoint).
+AVERAGING = pytest.mark.parametrize("averaging", [(), ("train.ema_decay=0.9",)], ids=["last", "average"])
+
+
 @pytest.mark.slow
-def test_sigkill_mid_epoch_then_resume_is_bit_exact(tiny_target, captured, tmp_path):
+@AVERAGING
+def test_sigkill_mid_epoch_then_resume_is_bit_exact(tiny_target, captured, tmp_path, averaging):
     """Two Ray Train workers; a real SIGKILL of the run's process group between two
     checkpoints; the rerun's steps (losses, grad norms, accuracies, held-out figures) and
     final weights equal an uninterrupted run's exactly."""
@@ -90,6 +96,7 @@ def test_sigkill_mid_epoch_then_resume_is_bit_exact(tiny_target, captured, tmp_p
         "train.eval_every=8",
         "train.log_every=1",
         "train.num_workers=2",
+        *averaging,
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # The uninterrupted reference runs beside the run to be killed (its own Ray), not before
@@ -129,6 +136,8 @@ def test_sigkill_mid_epoch_then_resume_is_bit_exact(tiny_target, captured, tmp_p
             kill_run(proc)  # the driver, Ray and both workers, at once
         assert not (killed / "train" / "DONE.json").exists() and not (killed / "train" / "metrics.json").exists()
         assert logged_steps(killed)[-1] < 23  # killed mid-run, not after it
+        kept = latest_ray_checkpoint(killed / "train")
+        assert (kept / AVERAGE).exists() == bool(averaging) and not (kept / TRAINING_WEIGHTS).exists()
 
         done = subprocess.run(
             train_command(tiny_target, killed, *args), cwd=ROOT, env=env, capture_output=True, text=True
@@ -148,9 +157,10 @@ def test_sigkill_mid_epoch_then_resume_is_bit_exact(tiny_target, captured, tmp_p
 
 
 @pytest.mark.slow
-def test_deepspeed_on_one_worker_matches_the_plain_loop(tiny_target, captured, tmp_path):
+@AVERAGING
+def test_deepspeed_on_one_worker_matches_the_plain_loop(tiny_target, captured, tmp_path, averaging):
     """The same data and seed: Ray Train + DeepSpeed (one worker) steps like torch AdamW."""
-    args = ("train.steps=6", "train.checkpoint_every=0", "train.eval_every=6", "train.log_every=1")
+    args = ("train.steps=6", "train.checkpoint_every=0", "train.eval_every=6", "train.log_every=1", *averaging)
     ray_run = copy_run(captured, tmp_path / "ray")
     plain = copy_run(captured, tmp_path / "plain")
     full.run(compose(overrides(tiny_target, ray_run, "stages=[train]", "train.num_workers=1", *args)))
@@ -164,11 +174,16 @@ def test_deepspeed_on_one_worker_matches_the_plain_loop(tiny_target, captured, t
     m_ray = json.loads((ray_run / "train" / "metrics.json").read_text())
     m_plain = json.loads((plain / "train" / "metrics.json").read_text())
     assert abs(m_ray["acceptance_walk"] - m_plain["acceptance_walk"]) < 1e-6
+    a = load_file(str(ray_run / "train" / "draft" / "draft.safetensors"))
+    b = load_file(str(plain / "train" / "draft" / "draft.safetensors"))
+    for k in a:  # the saved drafts: the same weights, or the same average
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
     assert set(m_ray["step_acc_by_position"]) and set(m_ray["acceptance_walk_by_prompt_length"])
 
 
 @pytest.mark.slow
-def test_online_states_train_through_the_same_loop_and_resume_exactly(tiny_target, captured, tmp_path):
+@AVERAGING
+def test_online_states_train_through_the_same_loop_and_resume_exactly(tiny_target, captured, tmp_path, averaging):
     """train.data_source=online: the states the target computes in this process go through
     the store's loop (cadence, records, held-out evaluation, metrics.json), and a run killed
     for real between two checkpoints resumes to the uninterrupted run's records exactly."""
@@ -179,6 +194,7 @@ def test_online_states_train_through_the_same_loop_and_resume_exactly(tiny_targe
         "train.checkpoint_every=10",
         "train.eval_every=10",
         "train.log_every=1",
+        *averaging,
     )
     store = copy_run(captured, tmp_path / "store")
     full.run(compose(overrides(tiny_target, store, *cadence, "train.data_source=store")))
@@ -216,12 +232,17 @@ def test_online_states_train_through_the_same_loop_and_resume_exactly(tiny_targe
     finally:
         kill_run(proc)
     assert not (killed / "train" / "metrics.json").exists() and logged_steps(killed)[-1] < 39
+    for kept in (AVERAGE, TRAINING_WEIGHTS):
+        assert (killed / "train" / "checkpoint" / kept).exists() == bool(averaging), kept
     done = subprocess.run(
         train_command(tiny_target, killed, *online), cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "train: resuming from step 10" in done.stdout
     assert records(killed) == records(reference)
+    a = load_file(str(reference / "train" / "draft" / "draft.safetensors"))
+    b = load_file(str(killed / "train" / "draft" / "draft.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_resume_with_changed_settings_is_refused_naming_them(tiny_target, captured, tmp_path):
@@ -238,6 +259,8 @@ def test_a_resume_with_changed_settings_is_refused_naming_them(tiny_target, capt
                 overrides(tiny_target, run_dir, *base, "train.steps=2", "train.ttt.length=3", "train.acceptance_k=3")
             )
         )
+    with pytest.raises(ConfigError, match=r"ema_decay: 0.0 -> 0.9"):
+        full.run(compose(overrides(tiny_target, run_dir, *base, "train.steps=2", "train.ema_decay=0.9")))
     # Starting afresh is explicit; a warm start takes weights only.
     full.run(compose(overrides(tiny_target, run_dir, *base, "train.steps=4", "train.resume=false")))
     assert json.loads((checkpoint / "loop_rank0.json").read_text())["step"] == 4

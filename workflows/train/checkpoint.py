@@ -9,6 +9,13 @@ A checkpoint folder holds:
                             noise generator, best walk acceptance so far, and the fields a
                             resume must not change
 
+With `train.ema_decay` > 0 the evaluated model is the weights' moving average
+(eagle3.weight_average): `draft/` then holds that average, as every draft folder holds the
+model its walk scored, and two more files what training goes on from:
+
+    weight_average.safetensors  the average in fp32 and its update count (rank 0)
+    training_weights.safetensors  the plain loop's raw weights (DeepSpeed's are in its files)
+
 With Ray Train every rank writes its part into a temporary folder and hands it to
 `ray.train.report`, which gathers the parts into one `checkpoint_*` folder under
 `train/ray/` and records it in its snapshot only once complete; it keeps the
@@ -24,12 +31,33 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from eagle3.schema import ConfigError
+from eagle3.weight_average import WeightAverage
 from workflows.core.markers import read_json, write_json_atomic
 
 DRAFT = "draft"
 RAY_RUN_NAME = "draft"
+AVERAGE = "weight_average.safetensors"
+TRAINING_WEIGHTS = "training_weights.safetensors"
+
+
+def save_average(folder: Path, average: WeightAverage) -> None:
+    state = average.state_dict()
+    tensors = {n: t.contiguous().cpu() for n, t in state["average"].items()}
+    save_file(tensors, str(folder / AVERAGE), metadata={"updates": str(state["updates"])})
+
+
+def load_average(folder: Path, average: WeightAverage) -> None:
+    file = folder / AVERAGE
+    if not file.exists():
+        raise ConfigError(f"{folder}: no {AVERAGE} to resume train.ema_decay from (saved without it?)")
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        updates = int(f.metadata()["updates"])
+    average.load_state_dict({"updates": updates, "average": load_file(str(file))})
 
 
 def encode_state(state: torch.Tensor) -> str:

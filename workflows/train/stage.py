@@ -72,6 +72,8 @@ def resume_fields(train: TrainSection, draft: DraftSection, seed: int, backend: 
         "objective": to_dict(train.objective),
         "steps": train.steps,
         "optim": to_dict(train.optim),
+        "dropout": train.dropout,
+        "ema_decay": train.ema_decay,
         "world_size": train.num_workers if backend == "deepspeed" else 1,
         "backend": backend,
         "batching": {

@@ -23,13 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from eagle3.modeling import Eagle3Draft
 from eagle3.target_spec import TargetSpec
 from eagle3.training import LoopHooks, PlainOptimizer, fit, make_optimizer
+from eagle3.weight_average import WeightAverage
 from storage.reader import StoreReader
 from workflows.core.config import DraftSection, FullConfig
-from workflows.core.draft_files import load_draft_weights, save_draft
+from workflows.core.draft_files import draft_state, load_draft_weights, save_draft
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
 from workflows.core.markers import atomic_dir, write_json_atomic
@@ -189,6 +191,8 @@ class Trainer:
             else PlainStep(draft, cfg.train.optim)
         )
         self.draft = self.opt.module
+        # The model evaluated and saved, with train.ema_decay: the raw weights' moving average
+        self.average = WeightAverage(self.draft, cfg.train.ema_decay) if cfg.train.ema_decay else None
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed + rank)
 
     # ------------------------------------------------------------------ evaluation
@@ -214,8 +218,11 @@ class Trainer:
         if restore_from is not None:
             state = ckpt.read_loop_state(restore_from, self.rank, self.job.resume_fields)
             self.opt.load(restore_from)
-            if self.job.backend == "plain":
-                load_draft_weights(restore_from / ckpt.DRAFT, self.draft)
+            if self.job.backend == "plain":  # DeepSpeed's files hold the module's weights
+                raw = restore_from / ckpt.TRAINING_WEIGHTS if self.average else None
+                load_draft_weights(restore_from / ckpt.DRAFT, self.draft, file=raw)
+            if self.average is not None:
+                ckpt.load_average(restore_from, self.average)
             self.generator.set_state(state["generator"])
             start, position = state["step"], StreamPosition(**state["position"])
             best = state.get("best")
@@ -245,10 +252,22 @@ class Trainer:
             reduce=self._mean_over_workers if self.world > 1 else None,
         )
         try:
-            state = fit(self.opt, self.head, next_batches, train, self.generator, hooks, start=start, best=best)
+            state = fit(
+                self.opt,
+                self.head,
+                next_batches,
+                train,
+                self.generator,
+                hooks,
+                start=start,
+                best=best,
+                average=self.average,
+            )
         finally:
             stream.close()
         last_eval, best = state.last_eval, state.best
+        if self.average is not None:  # the trained draft is the average
+            self.average.copy_to_module()
         final = self._evaluate_on_rank0() if last_eval is None else last_eval
         if self.rank == 0:
             final = {
@@ -301,7 +320,7 @@ class Trainer:
         if report is None:  # the plain backend: one folder, replaced whole
             with atomic_dir(self.layout.checkpoint_dir) as tmp:
                 self.opt.save(tmp)
-                save_draft(tmp / ckpt.DRAFT, self.draft, self.job.provenance)
+                self._save_model(tmp)
                 ckpt.write_loop_state(tmp, self.rank, state)
             return
         import tempfile
@@ -310,7 +329,19 @@ class Trainer:
             folder = Path(tmp)
             self.opt.save(folder)  # collective: every rank writes its own partition
             if self.rank == 0:
-                save_draft(folder / ckpt.DRAFT, self.draft, self.job.provenance)
+                self._save_model(folder)
             ckpt.write_loop_state(folder, self.rank, state)
             walk = last_eval["acceptance_walk"] if last_eval else float("nan")
             report({"step": step, "acceptance_walk": walk}, folder)
+
+    def _save_model(self, folder: Path) -> None:
+        """A checkpoint's draft/ (the model its walk scored) and, with a weight average, the
+        average itself and the plain loop's raw weights, which training goes on from."""
+        if self.average is None:
+            save_draft(folder / ckpt.DRAFT, self.draft, self.job.provenance)
+            return
+        if self.job.backend == "plain":
+            save_file(draft_state(self.draft), str(folder / ckpt.TRAINING_WEIGHTS), metadata={"format": "pt"})
+        ckpt.save_average(folder, self.average)
+        with self.average.applied():
+            save_draft(folder / ckpt.DRAFT, self.draft, self.job.provenance)
