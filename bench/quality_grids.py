@@ -57,7 +57,8 @@ GRIDS["long"] = [  # issue 26: what limits held-out acceptance at convergence (1
     # Evaluated, chosen and saved: the average of the weights over about the last 500 steps
     # (1.4 epochs here) instead of the last step's. Rebuilt store, seeds 0 and 1 (2026-12-05):
     # ahead of base on both seeds through epoch 8 (+0.074 at epoch 3), level at the end:
-    # best walks 1.912 / 1.878 against base's 1.913 / 1.879
+    # best walks 1.912 / 1.878 against base's 1.913 / 1.879. On a 3-epoch schedule (--steps
+    # 1107, seed 0): 1.677 against 1.686, ahead at the first epoch only
     ("ema=0.998", ["train.ema_decay=0.998"]),
     # SmolLM2-135M's captured states (layers 1, 14, 26) have median |x| 0.8, 2.0 and 9.1: the
     # default std 0.05 barely touches them. Rebuilt store, seeds 0 and 1 (2026-12-04): best
