@@ -31,7 +31,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from eagle3.schema import ConfigError
 from eagle3.weight_average import WeightAverage
@@ -52,12 +53,13 @@ def save_average(folder: Path, average: WeightAverage) -> None:
 def load_average(folder: Path, average: WeightAverage) -> None:
     file = folder / AVERAGE
     if not file.exists():
-        raise ConfigError(f"{folder}: no {AVERAGE} to resume train.ema_decay from (saved without it?)")
-    from safetensors import safe_open
-
-    with safe_open(str(file), "pt") as f:
-        updates = int(f.metadata()["updates"])
-    average.load_state_dict({"updates": updates, "average": load_file(str(file))})
+        raise ConfigError(
+            f"{folder}: no {AVERAGE} to resume train.ema_decay from; move the checkpoint away, "
+            "or start afresh with train.resume=false"
+        )
+    with safe_open(str(file), "pt") as f:  # one read: the tensors and their update count
+        state = {"updates": int(f.metadata()["updates"]), "average": {k: f.get_tensor(k) for k in f.keys()}}
+    average.load_state_dict(state)
 
 
 def encode_state(state: torch.Tensor) -> str:
