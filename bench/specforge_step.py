@@ -59,7 +59,6 @@ import importlib
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -287,18 +286,16 @@ def _ensure_process_group(sf) -> None:
     """One-rank process group the way SpecForge's CLI sets it up for a direct one-GPU run (needed by FSDP)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        for key, value in (
-            ("RANK", "0"),
-            ("WORLD_SIZE", "1"),
-            ("LOCAL_RANK", "0"),
-            ("MASTER_ADDR", "127.0.0.1"),
-            ("MASTER_PORT", str(port)),
-        ):
-            os.environ.setdefault(key, value)
+    # MASTER_PORT 0: the one rank's TCP store binds a port the OS picks; a port found free and handed on
+    # can be taken in between (EADDRINUSE).
+    for key, value in (
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("LOCAL_RANK", "0"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "0"),
+    ):
+        os.environ.setdefault(key, value)
     os.environ.setdefault("FSDP_SHARDING", "SHARD_GRAD_OP")  # SpecForge's TrainingConfig.fsdp_sharding default
     sf.init_distributed(timeout=10)
 

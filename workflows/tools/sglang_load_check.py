@@ -14,7 +14,6 @@ torch.distributed. Needs the `workflows/sglang_cpu_shim` folder on PYTHONPATH (s
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -30,20 +29,19 @@ FUSED = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_sglang_cpu() -> None:
-    """A one-rank gloo topology, once per process."""
+    """A one-rank gloo topology, once per process.
+
+    Port 0: the one rank's TCP store binds whatever port the OS gives it. Asking the OS for a free port
+    and handing its number on leaves a window in which another process (a Ray worker, a server under
+    test) can take it: CI lost a run to exactly that (EADDRINUSE).
+    """
     from sglang.srt.distributed import parallel_state
     from sglang.test.test_utils import publish_build_topology
 
     publish_build_topology(device="cpu", tp_size=1)
     parallel_state.init_distributed_environment(
-        world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{_free_port()}"
+        world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method="tcp://127.0.0.1:0"
     )
     parallel_state.initialize_model_parallel(backend="gloo")
 
