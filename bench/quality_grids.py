@@ -8,10 +8,7 @@ GRIDS = {
     "knobs": [
         ("base", []),
         ("objective=log_acceptance", ["train.objective.kind=log_acceptance"]),
-        # Rebuilt store, seeds 0 and 1 (2026-12-05): seed 0 ahead of base from epoch 5 (1.925
-    # against 1.913 at the end), seed 1 behind from epoch 7 (1.846 against 1.879): best walks
-    # 1.886 (1.846-1.925) against 1.896 (1.879-1.913)
-    ("objective=kl_acceptance", ["train.objective.kind=kl_acceptance"]),
+        ("objective=kl_acceptance", ["train.objective.kind=kl_acceptance"]),
         ("fc_norm", ["draft.fc_norm=true"]),
         ("norm_before_fc", ["draft.norm_before_fc=true"]),
         ("noise=none", ["train.ttt.noise.kind=none"]),
