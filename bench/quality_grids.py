@@ -88,6 +88,11 @@ GRIDS["long"] = [  # issue 26: what limits held-out acceptance at convergence (1
     # store, seeds 0 and 1 (2026-12-05): best walks 1.936 / 1.888 against base's 1.913 /
     # 1.879, both ahead, by less than base's spread (its lm_head and loss twice as wide)
     ("draft_vocab=16384", ["draft.draft_vocab_size=16384"]),
+    # The two settings that ended ahead of base on seed 0, together
+    (
+        "draft_vocab=16384+weight_decay=0.1",
+        ["draft.draft_vocab_size=16384", "train.optim.weight_decay=0.1"],
+    ),
     # Rebuilt store, seeds 0 and 1 (2026-12-05): seed 0 ahead of base from epoch 5 (1.925
     # against 1.913 at the end), seed 1 behind from epoch 7 (1.846 against 1.879): best walks
     # 1.886 (1.846-1.925) against 1.896 (1.879-1.913)
