@@ -7,7 +7,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def disk_check(tmp_path, **variables):
+def disk_check(**variables):
     args = [f"{k}={v}" for k, v in variables.items()]
     done = subprocess.run(
         ["make", "-s", "--no-print-directory", "disk-check", *args],
@@ -22,7 +22,7 @@ def disk_check(tmp_path, **variables):
 def test_a_disk_too_small_for_the_missing_venvs_is_named_with_both_figures(tmp_path):
     installed = tmp_path / "vllm.installed"
     installed.touch()
-    out = disk_check(tmp_path, STAMP=tmp_path / "missing", VLLM_STAMP=installed, SETUP_GIB_VENV=10**9)
+    out = disk_check(STAMP=tmp_path / "missing", VLLM_STAMP=installed, SETUP_GIB_VENV=10**9)
     assert out.startswith("WARNING: setup needs about 1000000000 GiB free for the venvs still to install")
     where = out.split(", and ")[1].split(" has ")[0]
     assert Path(where).resolve() == REPO
@@ -31,12 +31,12 @@ def test_a_disk_too_small_for_the_missing_venvs_is_named_with_both_figures(tmp_p
 
 
 def test_the_warning_counts_only_the_venvs_still_to_install(tmp_path):
-    out = disk_check(tmp_path, STAMP=tmp_path / "a", VLLM_STAMP=tmp_path / "b", SETUP_GIB_VENV=10**9, SETUP_GIB_VLLM=7)
+    out = disk_check(STAMP=tmp_path / "a", VLLM_STAMP=tmp_path / "b", SETUP_GIB_VENV=10**9, SETUP_GIB_VLLM=7)
     assert "needs about 1000000007 GiB" in out
 
 
 def test_installed_venvs_need_no_room(tmp_path):
     for name in ("a", "b"):
         (tmp_path / name).touch()
-    out = disk_check(tmp_path, STAMP=tmp_path / "a", VLLM_STAMP=tmp_path / "b", SETUP_GIB_VENV=10**9)
+    out = disk_check(STAMP=tmp_path / "a", VLLM_STAMP=tmp_path / "b", SETUP_GIB_VENV=10**9)
     assert out == ""
