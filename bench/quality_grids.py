@@ -66,7 +66,12 @@ GRIDS["long"] = [  # issue 26: what limits held-out acceptance at convergence (1
     # default std 0.05 barely touches them. Rebuilt store, seeds 0 and 1 (2026-12-04): best
     # walks 1.896 / 1.861 against base's 1.913 / 1.879, inside base's spread: no gain
     ("noise=gaussian 0.5", ["train.ttt.noise.std=0.5"]),
+    # Rebuilt store, seed 0 (2026-12-05): within 0.03 of base at every epoch; best walk 1.904
+    # (step 3690) against 1.913
     ("noise=uniform 0.5", ["train.ttt.noise.kind=uniform", "train.ttt.noise.std=0.5"]),
+    # SpecForge's AdamW betas. Rebuilt store, seed 0 (2026-12-05): behind base at every epoch
+    # (by 0.10-0.17 from the second), still rising at the end; best walk 1.804 (step 3690)
+    # against 1.913
     ("betas=0.9,0.999", ["train.optim.betas=[0.9,0.999]"]),
     # Rebuilt store (2026-12-05): ahead of base on both seeds through epoch 6, then both dip;
     # patience 2 stopped seed 0 at 2568 (best 1.786 at 1926), seed 1 peaked at 1.879 (step
@@ -76,7 +81,11 @@ GRIDS["long"] = [  # issue 26: what limits held-out acceptance at convergence (1
     # the draft underfits the horizon rather than overfits it. Rebuilt store, seed 0: 1.281,
     # 1.339, 1.376 at epochs 1-3 against base's 1.388, 1.531, 1.585 (stopped there)
     ("lr=2e-3", ["train.optim.lr=2e-3"]),
+    # Rebuilt store, seed 0 (2026-12-05): level, best walk 1.921 (step 3690) against 1.913,
+    # x1.27 training tok/s; steps 5-6, drafted but never trained, lose 0.03-0.04 accuracy
     ("ttt=5", ["train.ttt.length=5"]),
+    # Rebuilt store, seed 0 (2026-12-05): level, best walk 1.911 (step 3531) against 1.913;
+    # step 0 up (acceptance rate 0.482 against 0.463), steps 1-6 down about as much
     ("decay=0.6", ["train.ttt.decay=0.6"]),
     ("tokens=answer", ["train.objective.tokens=answer"]),
     # Every position at first, the prompt's weighed down to 0 by half the run, answers after.
