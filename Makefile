@@ -10,7 +10,7 @@ SGLANG_VERSION := 0.5.23
 # bench.specforge_step: SpecForge's training step beside ours
 SPECFORGE_VERSION := 0.2.0
 
-.PHONY: setup run test lint test-fast bench clean gpu-wheels disk-check
+.PHONY: setup run test lint test-fast bench clean gpu-wheels disk-check docs
 
 OFFLINE_STAMP := $(VENV)/.offline-data
 VLLM_VENV ?= .venv-vllm
@@ -105,7 +105,12 @@ gpu-wheels: $(STAMP)
 	DS_BUILD_OPS=0 $(PIP) wheel --quiet --no-deps --no-build-isolation --wheel-dir $(GPU_WHEELS) deepspeed==0.19.8
 	@du -sh $(GPU_WHEELS)
 
-# The house style, checked before the tests (ruff's own lint and format, pinned in pyproject.toml).
+# The house style, checked before the tests (ruff's own lint and format, pinned in pyproject.toml),
+# and the configuration reference current with the schema (`make docs` rewrites it).
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m workflows.tools.config_doc --check
+
+docs: $(STAMP)
+	$(PY) -m workflows.tools.config_doc
