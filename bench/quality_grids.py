@@ -1,7 +1,7 @@
 """The settings bench.bench_quality compares: each grid is a list of (name, Hydra overrides),
 one knob at a time away from the run's own settings, its first entry the baseline. The
 comments keep what a setting was measured to do, so a grid reads as the record of its
-ablations (the README has the tables)."""
+ablations (docs/results.md has the tables)."""
 
 GRIDS = {
     # One knob at a time away from the run's own settings.

@@ -154,7 +154,7 @@ def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target,
     assert "at temperature 0.8" in logs[-3] and "not compared: sglang" in logs[-3], logs[-3]
     # vLLM-CPU samples, and its figure is set in the range a second estimate of the reference's
     # size falls in 95% of the time (it accepts almost no draft token when sampling, even at
-    # temperature 0.05, so the check reports it OUTSIDE; README, "Served by the engines themselves").
+    # temperature 0.05, so the check reports it OUTSIDE; docs/serving.md, "Sampling").
     hot_vllm = served["vllm"]["sampled"]
     assert (
         hot_vllm["verify"] == "unknown"

@@ -145,7 +145,7 @@ def test_training_on_all_tokens_scores_the_prompt_in_training_only():
     draft, head, batch = prompt_and_answer_batch()
     t = batch["input_ids"].shape[1]
     ttt = TTTConfig(length=3, noise=NoiseConfig(kind="none"))
-    assert ObjectiveConfig().tokens == "all"  # the default (README: ablations)
+    assert ObjectiveConfig().tokens == "all"  # the default (docs/results.md: ablations)
     answer = forward_batch(draft, head, batch, ttt, train=True, objective=ObjectiveConfig(tokens="answer"))
     every = forward_batch(draft, head, batch, ttt, train=True, objective=ObjectiveConfig(tokens="all"))
     held = forward_batch(draft, head, batch, ttt, train=False, objective=ObjectiveConfig(tokens="all"))

@@ -88,7 +88,7 @@ def test_an_sglang_actor_holds_exactly_its_tp_group(override, field):
 
 def test_specforge_train_preset_has_specforge_settings():
     """train=specforge: SpecForge 0.2.0's settings, the answers' positions only among them,
-    while the project's default scores every position (README: ablations)."""
+    while the project's default scores every position (docs/results.md: ablations)."""
     t = compose(["train=specforge"]).train
     assert (t.ttt.noise.kind, tuple(t.optim.betas)) == ("none", (0.9, 0.999))
     o = t.objective

@@ -1,8 +1,8 @@
 """Every stage's progress and throughput as Ray metrics, tagged with the stage's name.
 
 Ray exports them with its own metrics (Prometheus format, on each node's metrics port;
-the dashboard's Metrics view graphs them when Prometheus/Grafana are set up, see the
-README): `eagle3_stage_progress` (units done: samples, tokens or steps, with `unit`),
+the dashboard's Metrics view graphs them when Prometheus/Grafana are set up, see
+docs/operations.md): `eagle3_stage_progress` (units done: samples, tokens or steps, with `unit`),
 `eagle3_stage_throughput` (units per second) and `eagle3_stage_total` (units planned).
 Prometheus sees them with Ray's prefix: `ray_eagle3_stage_progress{stage="capture",...}`.
 Metrics are a convenience: outside Ray, or if Ray's metrics cannot start, they do nothing.

@@ -103,7 +103,7 @@ def evaluate_heldout(draft, head, batches, loop_cfg, edges: list[int], device) -
         # The same accuracy over SpecForge 0.2.0's scored rows (eagle3.ttt.step_weights, rows="input").
         "step_acc_specforge_rows": rate(sf_hits, sf_counts),
         # ...averaged per sample instead of pooled over tokens: SpecForge's own figure, which
-        # averages per batch and was reported at batch 1 (README, the equal-data comparison).
+        # averages per batch and was reported at batch 1 (docs/results.md, the equal-data comparison).
         "step_acc_specforge_per_sample": rate(sf_sample_sum, sf_samples),
         "step_alpha": rate(alphas, counts),  # mean sum_v min(p_target, p_draft) per step
         "step_acc_by_position": {
