@@ -9,6 +9,18 @@ from eagle3.schema import ConfigError
 from eagle3.target_spec import TargetSpec
 
 
+def validate_attention_shape(cfg, where: str) -> None:
+    """Grouped heads that divide evenly, and an even head size for rotary embeddings: any
+    family's draft attention (`cfg` has num_attention_heads, num_key_value_heads, head_dim)."""
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ConfigError(
+            f"{where}.num_attention_heads={cfg.num_attention_heads} is not a multiple of "
+            f"num_key_value_heads={cfg.num_key_value_heads}"
+        )
+    if cfg.head_dim % 2:
+        raise ConfigError(f"{where}.head_dim={cfg.head_dim} must be even for rotary embeddings")
+
+
 @dataclass
 class DraftConfig:
     hidden_size: int
@@ -32,21 +44,18 @@ class DraftConfig:
     # loudest layer until it has learnt per-layer scales.
     norm_before_fc: bool = False
     fc_norm: bool = False
+    family: str = "eagle3"  # read back from draft_config.json: which family's model this is (eagle3.families)
 
     def validate(self, where: str = "draft") -> None:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(
-                f"{where}.num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
-        if self.head_dim % 2:
-            raise ConfigError(f"{where}.head_dim={self.head_dim} must be even for rotary embeddings")
+        validate_attention_shape(self, where)
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ConfigError(
                 f"{where}.draft_vocab_size={self.draft_vocab_size} must lie in 1..{self.vocab_size} "
                 "(the target's vocab size)"
             )
         validate_capture_ids(self.capture_layer_ids, self.target_num_layers, f"{where}.capture_layer_ids")
+        if self.family != "eagle3":
+            raise ConfigError(f"{where}.family={self.family!r}: a DraftConfig is family 'eagle3'")
 
     @property
     def num_aux(self) -> int:

@@ -97,7 +97,34 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nn.Module):
+class ResidualBlockTraining(nn.Module):
+    """What the training step sets on a draft layer (`configure_training`), shared by the
+    families' layers: activation checkpointing of the MLP (its [T, intermediate]
+    activations recomputed in backward instead of kept, for one more MLP forward), and
+    residual dropout drawn from the training's generator (a resumed run draws the same
+    masks). Neither is part of the weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.recompute_mlp = False
+        self.dropout: tuple[float, torch.Generator | None] | None = None  # (probability, generator)
+
+    def drop(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.dropout is None or self.dropout[0] == 0:
+            return x
+        p, generator = self.dropout
+        keep = torch.rand(x.shape, generator=generator, device=x.device) >= p
+        return x * keep / (1 - p)
+
+    def residual_mlp(self, a: torch.Tensor, mlp: nn.Module, norm: nn.Module) -> torch.Tensor:
+        """a + dropped mlp(norm(a)), the MLP recomputed in backward when asked."""
+        h = norm(a)
+        if self.recompute_mlp and torch.is_grad_enabled():
+            return a + self.drop(checkpoint(mlp, h, use_reentrant=False))
+        return a + self.drop(mlp(h))
+
+
+class DecoderLayer(ResidualBlockTraining):
     """SGLang's `midlayer`: a Llama layer whose attention reads [embeds, hidden] (2H wide)."""
 
     def __init__(self, cfg: DraftConfig):
@@ -107,37 +134,64 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
-        # Activation checkpointing of the MLP while training (set by the training step, not
-        # part of the weights): its [T, intermediate] activations are recomputed in backward
-        # instead of kept, per TTT step, for one more MLP forward.
-        self.recompute_mlp = False
-        # Residual dropout while training (set by the training step with its generator, so a
-        # resumed run draws the same masks): (probability, torch.Generator) or None.
-        self.dropout: tuple[float, torch.Generator | None] | None = None
-
-    def drop(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.dropout is None or self.dropout[0] == 0:
-            return x
-        p, generator = self.dropout
-        keep = torch.rand(x.shape, generator=generator, device=x.device) >= p
-        return x * keep / (1 - p)
 
     def forward(self, embeds, hidden, positions, state: AttentionState) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         a = hidden + self.drop(self.self_attn(x, positions, state))
-        h = self.post_attention_layernorm(a)
-        if self.recompute_mlp and torch.is_grad_enabled():
-            return a + self.drop(checkpoint(self.mlp, h, use_reentrant=False))
-        return a + self.drop(self.mlp(h))
+        return self.residual_mlp(a, self.mlp, self.post_attention_layernorm)
 
 
-class Eagle3Draft(nn.Module):
-    def __init__(self, cfg: DraftConfig):
+class TargetWiredDraft(nn.Module):
+    """What every draft family shares with its target: a frozen copy of the target's input
+    embeddings, and the draft vocabulary (`d2t[i]`: the offset with target_id = i + d2t[i];
+    `t2d`: which target ids the draft has), set once the vocab stage has chosen it."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, draft_vocab_size: int):
         super().__init__()
-        self.cfg = cfg
-        # A frozen copy of the target's input embeddings (set with `load_target_embeddings`).
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(vocab_size, dtype=torch.bool))
+        self.t2d[:draft_vocab_size] = True
+
+    def load_target_embeddings(self, weight: torch.Tensor) -> None:
+        if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
+            vocab, hidden = self.embed_tokens.weight.shape
+            raise ValueError(
+                f"target embeddings have shape {tuple(weight.shape)} but the draft expects "
+                f"[vocab_size={vocab}, hidden_size={hidden}]"
+            )
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight)
+
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(
+                f"vocab mapping shapes d2t{tuple(d2t.shape)}/t2d{tuple(t2d.shape)} do not match the "
+                f"draft's draft_vocab_size={self.d2t.numel()}, vocab_size={self.t2d.numel()}"
+            )
+        if int(t2d.sum()) != self.d2t.numel():
+            raise ValueError(f"t2d marks {int(t2d.sum())} tokens, expected {self.d2t.numel()}")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target ids of draft ids, on the buffers' device (a CPU index, e.g. an arange, would
+        otherwise be added to a CUDA gather and fail)."""
+        draft_ids = draft_ids.to(self.d2t.device)
+        return draft_ids + self.d2t[draft_ids]
+
+    def target_ids(self) -> torch.Tensor:
+        """The target id of every draft id (on the buffers' device)."""
+        return target_ids_of(self.d2t)
+
+
+class Eagle3Draft(TargetWiredDraft):
+    family = "eagle3"  # its record in eagle3.families
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__(cfg.vocab_size, cfg.hidden_size, cfg.draft_vocab_size)
+        self.cfg = cfg
         width = cfg.num_aux * cfg.target_hidden_size
         # SGLang's names: `input_norm` (norm_before_fc) and `fc_norm.<i>` (fc_norm).
         self.input_norm = RMSNorm(width, cfg.rms_norm_eps) if cfg.norm_before_fc else None
@@ -150,21 +204,8 @@ class Eagle3Draft(nn.Module):
         self.midlayer = DecoderLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        # d2t[i]: offset with target_id = i + d2t[i]; t2d: which target ids the draft has.
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
-        self.t2d[: cfg.draft_vocab_size] = True
 
     # --- wiring -----------------------------------------------------------------------
-    def load_target_embeddings(self, weight: torch.Tensor) -> None:
-        if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
-            raise ValueError(
-                f"target embeddings have shape {tuple(weight.shape)} but the draft expects "
-                f"[vocab_size={self.cfg.vocab_size}, hidden_size={self.cfg.hidden_size}]"
-            )
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(weight)
-
     def init_head_from_target(self, lm_head_weight: torch.Tensor, final_norm_weight: torch.Tensor) -> None:
         """Start `lm_head` and `norm` where the target's own head is: its lm_head rows for the
         draft vocabulary (call after `set_vocab_mapping`) and its final norm. The draft then
@@ -182,26 +223,9 @@ class Eagle3Draft(nn.Module):
             self.lm_head.weight.copy_(lm_head_weight[rows].to(self.lm_head.weight))
             self.norm.weight.copy_(final_norm_weight.to(self.norm.weight))
 
-    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
-            raise ValueError(
-                f"vocab mapping shapes d2t{tuple(d2t.shape)}/t2d{tuple(t2d.shape)} do not match the "
-                f"draft's draft_vocab_size={self.cfg.draft_vocab_size}, vocab_size={self.cfg.vocab_size}"
-            )
-        if int(t2d.sum()) != self.cfg.draft_vocab_size:
-            raise ValueError(f"t2d marks {int(t2d.sum())} tokens, expected {self.cfg.draft_vocab_size}")
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Target ids of draft ids, on the buffers' device (a CPU index, e.g. an arange, would
-        otherwise be added to a CUDA gather and fail)."""
-        draft_ids = draft_ids.to(self.d2t.device)
-        return draft_ids + self.d2t[draft_ids]
-
-    def target_ids(self) -> torch.Tensor:
-        """The target id of every draft id (on the buffers' device)."""
-        return target_ids_of(self.d2t)
+    def configure_training(self, recompute_mlp: bool, dropout: tuple[float, torch.Generator | None] | None) -> None:
+        """What the training step sets on the layer: MLP recomputation and residual dropout."""
+        self.midlayer.recompute_mlp, self.midlayer.dropout = recompute_mlp, dropout
 
     # --- the maths --------------------------------------------------------------------
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:

@@ -20,12 +20,13 @@ from typing import Callable, Iterable, Literal
 
 import torch
 
+from eagle3.families import family_of
 from eagle3.metrics import acceptance
 from eagle3.modeling import Eagle3Draft
 from eagle3.objectives import ObjectiveConfig
 from eagle3.schema import NOT_OUTPUT, ConfigError, check_ranges
 from eagle3.target_head import TargetHead
-from eagle3.ttt import TTTConfig, add_noise, score_steps, step_weights, unroll
+from eagle3.ttt import TTTConfig, add_noise, shift_left, step_weights
 from eagle3.weight_average import WeightAverage
 
 
@@ -104,11 +105,6 @@ class LoopConfig:
             raise ConfigError(
                 f"{where}.activation_checkpointing={self.activation_checkpointing!r} is not one of ['none', 'mlp']"
             )
-        if self.acceptance_k > self.ttt.length:
-            raise ConfigError(
-                f"{where}.acceptance_k={self.acceptance_k} exceeds {where}.ttt.length={self.ttt.length}: "
-                "acceptance of k drafts is simulated from k unrolled steps"
-            )
 
 
 def lr_at(step: int, total: int, cfg: OptimConfig) -> float:
@@ -145,43 +141,63 @@ def forward_batch(
     generator=None,
     objective: ObjectiveConfig | None = None,
     prompt_weight: float | None = None,
+    steps: int | None = None,
 ):
-    """Unroll and score one batch; returns StepScores (loss differentiable when train).
+    """Score one batch with the draft's family's pass (eagle3.families: the TTT unroll, or
+    blocks); returns StepScores (loss differentiable when train).
 
-    In training the prompt's positions weigh `prompt_weight` against the answers' 1 (None:
-    the objective's weight at the run's first step, `ObjectiveConfig.prompt_weight`).
+    `steps`: draft tokens scored per row (None: what the family trains, TTT steps or block
+    slots; the evaluate stage passes its k, so a block draft drafts blocks of k + 1 there,
+    as it will be served). In training the prompt's positions weigh `prompt_weight` against
+    the answers' 1 (None: the objective's weight at the run's first step,
+    `ObjectiveConfig.prompt_weight`).
 
     Packed batches (eagle3.target_features.pack_samples) also carry `position_ids` and
     `segment_ids` [B, T]; a batch without them is one sample per row."""
     if "aux_scale" in batch:  # int8 states as an int8 store holds them
         raise ValueError("forward_batch got int8 states with their scales: dequantise the batch first (data.to_device)")
+    family = family_of(draft)
     aux = batch["aux"]
     if train:
         aux = add_noise(aux, ttt.noise, generator)
     probs, best = head(batch["final"], draft.target_ids())
-    segments = batch.get("segment_ids")
-    hiddens = unroll(
-        draft,
-        batch["input_ids"],
-        aux,
-        batch["attention_mask"],
-        ttt.length,
-        position_ids=batch.get("position_ids"),
-        segment_ids=segments,
-        attention=ttt.attention,
-        shift_positions=ttt.positions == "shifted",
-    )
+    length = steps or family.trained_steps(draft.cfg, ttt)
     objective = objective or ObjectiveConfig()
     # The prompt's positions count in training only, as much as ObjectiveConfig.tokens says.
     weight = 0.0 if not train else objective.prompt_weight(0, 1) if prompt_weight is None else prompt_weight
-    scored = batch["attention_mask"] if weight == 1 else batch["loss_mask"]
-    weights = step_weights(scored, batch["attention_mask"], ttt.length, segment_ids=segments)
-    if 0 < weight < 1:  # the answers' rows at 1, the prompt's at `weight`
-        every = step_weights(batch["attention_mask"], batch["attention_mask"], ttt.length, segment_ids=segments)
-        weights = weights + weight * (every - weights)
-    return score_steps(
-        draft, hiddens, probs, best, weights, ttt.decay, objective, real_positions=batch["attention_mask"].sum()
-    )
+    weights = scored_steps(batch, length, weight)
+    return family.score(draft, probs, best, weights, batch, aux, ttt, objective, train, generator)
+
+
+def scored_steps(batch: dict, length: int, prompt_weight: float) -> torch.Tensor:
+    """[B, T, length] weights of the scored steps (eagle3.ttt.step_weights): the answers'
+    at 1, the prompt's at `prompt_weight`."""
+    segments, attn = batch.get("segment_ids"), batch["attention_mask"]
+    scored = attn if prompt_weight == 1 else batch["loss_mask"]
+    weights = step_weights(scored, attn, length, segment_ids=segments)
+    if 0 < prompt_weight < 1:  # the answers' rows at 1, the prompt's at `prompt_weight`
+        every = step_weights(attn, attn, length, segment_ids=segments)
+        weights = weights + prompt_weight * (every - weights)
+    return weights
+
+
+@torch.no_grad()
+def acceptance_rates_at(draft, head, batch: dict, length: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per draft step j (a TTT step, a block's slot), the summed chance that a sampling
+    verifier at `temperature` accepts the draft's own guess, and the count of scored
+    positions -> ([L], [L]).
+
+    SGLang and vLLM draft deterministically (the draft's top tokens), and a deterministic
+    guess y is accepted with the target's probability of y at the serving temperature
+    (eagle3.spec_decode.SpeculativeDecoder); here y is step j's argmax at row t, scored
+    against the target at t+1+j, over the rows the evaluation scores (the answers)."""
+    s = forward_batch(draft, head, batch, TTTConfig(length=length), train=False, steps=length)
+    sums, counts = [], []
+    for j in range(length):
+        p = head.token_probs(shift_left(batch["final"], 1 + j), s.guesses[..., j], temperature)
+        w = s.weights[..., j]
+        sums.append((p * w).sum()), counts.append(w.sum())
+    return torch.stack(sums), torch.stack(counts)
 
 
 def autocast_for(dtype: str, device: torch.device):
@@ -224,8 +240,9 @@ def train_step(
     `prompt_weight`: see `forward_batch` (`fit` passes the schedule's). Returns the step's
     figures, averaged over its micro-batches."""
     opt.begin(lr)
-    opt.module.midlayer.recompute_mlp = cfg.activation_checkpointing == "mlp"
-    opt.module.midlayer.dropout = (cfg.dropout, generator) if cfg.dropout else None
+    opt.module.configure_training(
+        cfg.activation_checkpointing == "mlp", (cfg.dropout, generator) if cfg.dropout else None
+    )
     scores = []
     for batch in micro_batches:
         with autocast_for(cfg.compute_dtype, batch["input_ids"].device):
@@ -242,7 +259,7 @@ def train_step(
         opt.backward(s.loss, len(micro_batches))
         scores.append(s)
     grad_norm = opt.finish()
-    n, steps = len(scores), range(cfg.ttt.length)
+    n, steps = len(scores), range(len(scores[0].step_acc_t))
     return {
         "loss": sum(float(s.loss.detach()) for s in scores) / n,
         "lr": lr,
@@ -258,13 +275,14 @@ def evaluate(draft, head, batches: Iterable[dict], cfg: LoopConfig) -> dict:
     """Per-step accuracy and simulated acceptance (walk and per-position average)."""
     draft.eval()
     total_acc = None
-    hits = [0.0] * cfg.ttt.length
-    alphas = [0.0] * cfg.ttt.length
-    counts = [0.0] * cfg.ttt.length
+    hits = alphas = counts = None
     for batch in batches:
         with autocast_for(cfg.compute_dtype, batch["input_ids"].device):
             s = forward_batch(draft, head, batch, cfg.ttt, train=False, objective=cfg.objective)
-        for j in range(cfg.ttt.length):
+        length = len(s.step_acc_t)
+        if hits is None:
+            hits, alphas, counts = [0.0] * length, [0.0] * length, [0.0] * length
+        for j in range(length):
             w = s.weights[..., j]
             hits[j] += float((s.correct[..., j].float() * w).sum())
             alphas[j] += float(s.step_alpha_t[j]) * float(w.sum())
@@ -278,8 +296,8 @@ def evaluate(draft, head, batches: Iterable[dict], cfg: LoopConfig) -> dict:
         )
         total_acc = acc if total_acc is None else total_acc.merge(acc)
     out = {
-        "step_acc": [h / c if c else float("nan") for h, c in zip(hits, counts)],
-        "step_alpha": [a / c if c else float("nan") for a, c in zip(alphas, counts)],
+        "step_acc": [h / c if c else float("nan") for h, c in zip(hits or [], counts or [])],
+        "step_alpha": [a / c if c else float("nan") for a, c in zip(alphas or [], counts or [])],
     }
     if total_acc is not None:
         out.update(total_acc.as_dict())

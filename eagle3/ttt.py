@@ -161,6 +161,7 @@ class StepScores:
     step_alpha_t: torch.Tensor  # [L] per-step mean acceptance rate sum_v min(p, q) (eagle3.objectives)
     correct: torch.Tensor  # [B, T, L] bool: draft argmax == target argmax
     weights: torch.Tensor  # [B, T, L]
+    guesses: torch.Tensor | None = None  # [B, T, L] the draft's argmax as target ids (0 where not scored)
 
     # Python floats on demand: one device sync when read, none inside the step.
     @property
@@ -203,7 +204,7 @@ def score_steps(
     objective = objective or ObjectiveConfig()
     chain = objective.weighting == "chain"
     total = 0.0
-    step_loss, step_acc, step_alpha, correct = [], [], [], []
+    step_loss, step_acc, step_alpha, correct, guesses = [], [], [], [], []
     weighed, hit_chance = [], []  # chain: each step's (masked per-position loss, denominator), and c_j
     length = target_probs.shape[1]
     for j, hidden in enumerate(hiddens):
@@ -240,8 +241,10 @@ def score_steps(
             weighed.append((per_position * w_loss, loss_denom))
         else:
             total = total + (decay**j) * loss_j
-        hit = draft.draft_to_target(guess) == best
+        guess = draft.draft_to_target(guess)
+        hit = guess == best
         correct.append(torch.nn.functional.pad(hit, (0, length - rows), value=False))
+        guesses.append(torch.nn.functional.pad(guess, (0, length - rows)))
         step_loss.append(loss_j.detach())
         step_acc.append((hit.float() * w).sum() / denom)
         step_alpha.append((alpha.detach() * w).sum() / denom)
@@ -256,34 +259,5 @@ def score_steps(
         step_alpha_t=torch.stack(step_alpha),
         correct=torch.stack(correct, dim=-1),
         weights=weights,
+        guesses=torch.stack(guesses, dim=-1),
     )
-
-
-@torch.no_grad()
-def acceptance_rates_at(
-    draft: Eagle3Draft, head, batch: dict, length: int, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per TTT step j, the summed chance that a sampling verifier at `temperature` accepts
-    the draft's own guess, and the count of scored positions -> ([L], [L]).
-
-    SGLang and vLLM draft deterministically (the draft's top tokens), and a deterministic
-    guess y is accepted with the target's probability of y at the serving temperature
-    (eagle3.spec_decode.SpeculativeDecoder); here y is step j's argmax at row t, scored
-    against the target at t+1+j, over the rows `step_weights` scores (the answers)."""
-    hiddens = unroll(
-        draft,
-        batch["input_ids"],
-        batch["aux"],
-        batch["attention_mask"],
-        length,
-        position_ids=batch.get("position_ids"),
-        segment_ids=batch.get("segment_ids"),
-    )
-    weights = step_weights(batch["loss_mask"], batch["attention_mask"], length, segment_ids=batch.get("segment_ids"))
-    sums, counts = [], []
-    for j, hidden in enumerate(hiddens):
-        guess = draft.draft_to_target(draft.logits(hidden).argmax(-1))
-        p = head.token_probs(shift_left(batch["final"], 1 + j), guess, temperature)
-        w = weights[..., j]
-        sums.append((p * w).sum()), counts.append(w.sum())
-    return torch.stack(sums), torch.stack(counts)

@@ -57,6 +57,21 @@ class _DirectArray:
         return zarr_direct.read_whole(self.fs, self.lay)
 
 
+def aux_slots(stored: list[int], wanted: list[int] | None, url: str) -> list[int] | None:
+    """Positions of the `wanted` capture ids among the `stored` ones (None: all, as stored);
+    ids the store lacks are refused, naming them."""
+    if wanted is None or list(wanted) == stored:
+        return None
+    missing = [i for i in wanted if i not in stored]
+    if missing:
+        raise StoreError(
+            f"store {url}: it holds capture ids {stored}, the draft reads {list(wanted)}: {missing} are not "
+            "captured. Capture a store with them (capture.families lists every drafter family a store must "
+            "serve, e.g. capture.families=[eagle3,dflash]), or train the family the store was captured for"
+        )
+    return [stored.index(i) for i in wanted]
+
+
 def sample_order(count: int, shard: str, seed: int | None):
     """The order a shard's samples are read in: as stored, or with `seed` shuffled the same
     way for a given (seed, shard name) whichever worker reads it."""
@@ -69,15 +84,26 @@ class StoreReader:
     """`on_corrupt="error"` (default): a committed shard that is missing or corrupt raises
     StoreError naming the store, the shard and the problem. `"skip"`: streaming
     (`iter_shards`, `iter_samples`) passes over it and records it in `skipped`
-    ({shard: problem}); nothing is logged here. `sample()` always raises."""
+    ({shard: problem}); nothing is logged here. `sample()` always raises.
+
+    `aux_layers`: the capture ids to hand out, in this order, of those the store holds (a
+    store may hold the union of several drafters' layers, each reading its own): `aux` (and
+    an int8 store's `aux_scale`) then holds those layers only. An id the store lacks is
+    refused, naming it. None: every stored layer."""
 
     def __init__(
-        self, url: str, storage_options: dict | None = None, expect: dict | None = None, on_corrupt: str = "error"
+        self,
+        url: str,
+        storage_options: dict | None = None,
+        expect: dict | None = None,
+        on_corrupt: str = "error",
+        aux_layers: list[int] | None = None,
     ):
         if on_corrupt not in ("error", "skip"):
             raise ValueError(f"on_corrupt={on_corrupt!r}: use 'error' or 'skip'")
         self.store = HiddenStateStore.open(url, storage_options, expect=expect)
         self.provenance = self.store.provenance
+        self._aux_slots = aux_slots(list(self.provenance["capture_layer_ids"]), aux_layers, self.store.url)
         self.state_dtype = state_dtype_of(self.provenance, f"store {self.store.url}")
         self.arrays = (*TOKEN_ARRAYS, *STATE_ARRAYS[self.state_dtype])  # what each shard group holds
         self.shards = self.store.manifest()  # committed rows, in manifest (shard name) order
@@ -172,7 +198,7 @@ class StoreReader:
             raise
         except Exception as exc:  # missing or truncated file, codec error, bad offsets
             raise self._error(name, f"sample {sample_id!r} unreadable: {type(exc).__name__}: {exc}") from None
-        aux, final = decode_states(got, self.state_dtype)
+        aux, final = decode_states(self._select(got), self.state_dtype)
         return {
             "id": sample_id,
             "input_ids": torch.from_numpy(got["input_ids"].astype(np.int64)),
@@ -231,7 +257,19 @@ class StoreReader:
         off = out["offsets"]
         if off[0] != 0 or off[-1] != t or np.any(np.diff(off) <= 0):
             raise self._error(name, f"offsets {off.tolist()[:8]}... do not split {t} tokens into {n} non-empty samples")
-        return {"shard": name, "sample_ids": ids, **out}
+        return {"shard": name, "sample_ids": ids, **self._select(out)}
+
+    def _select(self, arrays: dict) -> dict:
+        """`aux_layers`' columns of the aux states (and of their int8 scales)."""
+        if self._aux_slots is None:
+            return arrays
+        h, slots = self.provenance["hidden_size"], self._aux_slots
+        arrays = dict(arrays)
+        aux = arrays["aux"]
+        arrays["aux"] = np.concatenate([aux[:, k * h : (k + 1) * h] for k in slots], axis=1)
+        if "aux_scale" in arrays:
+            arrays["aux_scale"] = np.ascontiguousarray(arrays["aux_scale"][:, slots])
+        return arrays
 
     def _stream(self, names: list[str], prefetch: bool, decode: bool | None = None) -> Iterator[dict]:
         """Checked shards in order; corrupt ones per `on_corrupt`. With `prefetch` the next

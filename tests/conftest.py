@@ -75,3 +75,12 @@ def ray_local():
             address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="warning"
         )
     yield ray
+
+
+@pytest.fixture(scope="session")
+def memorised_blocks(tiny_target, tmp_path_factory):
+    """A DFlash block draft of the tiny target that has learnt its answers to 8 prompts,
+    exported for vLLM, with the reference decoder's figures (tests.helpers.memorising_block_draft)."""
+    from tests.helpers import memorising_block_draft
+
+    return memorising_block_draft(tiny_target, tmp_path_factory.mktemp("memorised_blocks"))

@@ -119,6 +119,41 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def greedy_answers(model, layers, prompts: int, prompt_len: int, new_tokens: int):
+    """The target's greedy answers to `prompts` random prompts (seeded), their loss masks
+    and their states at `layers` in batches of 4 -> (sequences, masks, batches)."""
+    from eagle3.target_features import capture_batch
+
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for _ in range(prompts):
+        prompt = torch.randint(3, model.config.vocab_size, (1, prompt_len), generator=g)
+        out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        seqs.append(out[0].tolist())
+    masks = [[0] * prompt_len + [1] * new_tokens for _ in seqs]
+    batches = [
+        capture_batch(model, seqs[i : i + 4], masks[i : i + 4], layers, dtype=torch.float32)
+        for i in range(0, len(seqs), 4)
+    ]
+    return seqs, masks, batches
+
+
+def save_test_draft(draft, folder, target_path, layers) -> None:
+    """A draft folder as the train stage writes one, with the provenance the exports read."""
+    from pathlib import Path
+
+    from workflows.core.draft_files import save_draft
+    from workflows.core.provenance import target_identity
+
+    prov = {
+        "target": target_identity(Path(target_path), Path(folder).parent / "cache"),
+        "capture_layer_ids": layers,
+        "layer_id_convention": "output_of_layer",
+        "hidden_size": draft.cfg.target_hidden_size,
+    }
+    save_draft(Path(folder), draft, prov)
+
+
 def memorising_draft(
     target_path, folder, steps: int = 300, prompts: int = 8, prompt_len: int = 8, new_tokens: int = 32
 ) -> dict:
@@ -135,29 +170,16 @@ def memorising_draft(
     from transformers import AutoModelForCausalLM
 
     from eagle3.draft_config import DraftConfig
-    from eagle3.target_features import capture_batch
     from eagle3.target_head import TargetHead
     from eagle3.training import LoopConfig, OptimConfig, train_in_memory
     from eagle3.ttt import TTTConfig
     from eagle3.vocab import build_draft_vocab, count_tokens
-    from workflows.core.draft_files import save_draft
-    from workflows.core.provenance import target_identity
     from workflows.evaluate import decode_all
     from workflows.export import export_sglang, export_vllm
 
     folder, layers = Path(folder), [0, 2, 4]
     model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(0)
-    seqs = []
-    for _ in range(prompts):
-        prompt = torch.randint(3, model.config.vocab_size, (1, prompt_len), generator=g)
-        out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-        seqs.append(out[0].tolist())
-    masks = [[0] * prompt_len + [1] * new_tokens for _ in seqs]
-    batches = [
-        capture_batch(model, seqs[i : i + 4], masks[i : i + 4], layers, dtype=torch.float32)
-        for i in range(0, len(seqs), 4)
-    ]
+    seqs, masks, batches = greedy_answers(model, layers, prompts, prompt_len, new_tokens)
     c = model.config
     cfg = DraftConfig(
         hidden_size=c.hidden_size,
@@ -186,13 +208,7 @@ def memorising_draft(
     )
     train_in_memory(draft, TargetHead(model.lm_head.weight.float()), batches, loop)
     draft = draft.float().eval()
-    prov = {
-        "target": target_identity(Path(target_path), folder / "cache"),
-        "capture_layer_ids": layers,
-        "layer_id_convention": "output_of_layer",
-        "hidden_size": c.hidden_size,
-    }
-    save_draft(folder / "draft", draft, prov)
+    save_test_draft(draft, folder / "draft", target_path, layers)
     sglang = export_sglang(folder / "draft", folder / "sglang", "float32")
     vllm = export_vllm(sglang, folder / "vllm", Path(target_path), layers)
     rows = [{"id": str(i), "input_ids": s, "loss_mask": m} for i, (s, m) in enumerate(zip(seqs, masks))]
@@ -217,7 +233,7 @@ def contract_of(cfg, identity) -> dict:
     """The capture contract of a whole config (its target and capture sections)."""
     from workflows.core.provenance import capture_contract
 
-    return capture_contract(cfg.target, cfg.capture, identity)
+    return capture_contract(cfg.target, cfg.capture, identity, cfg.store_capture_ids)
 
 
 def cfg_for(tiny_target, run_dir, *extra):
@@ -251,3 +267,81 @@ def run_dir_with_corpus(corpus, tmp_path):
 
     shutil.copytree(corpus / "generate", tmp_path / "generate")
     return tmp_path
+
+
+def memorising_block_draft(
+    target_path, folder, steps: int = 400, prompts: int = 8, prompt_len: int = 8, new_tokens: int = 32
+) -> dict:
+    """The block-draft twin of `memorising_draft`: a DFlash draft (2 layers, blocks of 5,
+    on layers [1, 2, 3]) trained on the tiny target's greedy answers to `prompts` random
+    prompts until it has learnt them, exported for vLLM (workflows.export.export_dflash).
+
+    -> {"draft", "vllm": folders, "prompts", "greedy", "max_new_tokens", "chain": decode_all
+        figures for num_steps 4, "model": the HF target}"""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from eagle3.dflash.blocks import score_blocks, slot_decay
+    from eagle3.dflash.config import DFlashConfig
+    from eagle3.dflash.model import DFlashDraft
+    from eagle3.target_head import TargetHead
+    from eagle3.ttt import step_weights
+    from eagle3.vocab import build_draft_vocab, count_tokens
+    from workflows.evaluate import decode_all
+    from workflows.export import export_dflash
+
+    folder, layers = Path(folder), [1, 2, 3]
+    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    seqs, masks, batches = greedy_answers(model, layers, prompts, prompt_len, new_tokens)
+    c = model.config
+    counts = sum(count_tokens(b["input_ids"], b["attention_mask"].long(), c.vocab_size) for b in batches)
+    vocab = build_draft_vocab(counts, 256, warn=lambda m: None)
+    cfg = DFlashConfig(
+        hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.hidden_size // c.num_attention_heads,
+        intermediate_size=c.intermediate_size,
+        num_layers=2,
+        vocab_size=c.vocab_size,
+        draft_vocab_size=256,
+        target_hidden_size=c.hidden_size,
+        target_num_layers=c.num_hidden_layers,
+        capture_layer_ids=layers,
+        block_size=5,
+        mask_token_id=int((~vocab.t2d).nonzero().max()),
+        rope_theta=c.rope_parameters["rope_theta"],
+    )
+    torch.manual_seed(0)
+    draft = DFlashDraft(cfg)
+    draft.load_target_embeddings(model.get_input_embeddings().weight.float())
+    draft.set_vocab_mapping(vocab.d2t, vocab.t2d)
+    head = TargetHead(model.lm_head.weight.float())
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=3e-3)
+    anchors = torch.Generator().manual_seed(0)
+    draft.train()
+    for step in range(steps):
+        b = batches[step % len(batches)]
+        probs, best = head(b["final"], draft.target_ids())
+        w = step_weights(b["loss_mask"], b["attention_mask"], cfg.block_size - 1)
+        loss = score_blocks(
+            draft, probs, best, w, b, b["aux"], decay=slot_decay(4.0), anchors=16, generator=anchors
+        ).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    draft = draft.float().eval()
+    save_test_draft(draft, folder / "draft", target_path, layers)
+    vllm = export_dflash(folder / "draft", folder / "vllm", "float32")
+    rows = [{"id": str(i), "input_ids": s, "loss_mask": m} for i, (s, m) in enumerate(zip(seqs, masks))]
+    chain = decode_all(model, draft, rows, layers, num_steps=4, topk=1, num_draft_tokens=None, eos=[])
+    return {
+        "draft": folder / "draft",
+        "vllm": vllm,
+        "model": model,
+        "prompts": [s[:prompt_len] for s in seqs],
+        "greedy": chain["greedy"],
+        "max_new_tokens": [new_tokens] * len(seqs),
+        "chain": chain,
+    }

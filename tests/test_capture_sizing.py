@@ -16,7 +16,7 @@ from workflows.core.config import compose
 
 def test_estimate_and_space_refusal(tiny_target, tmp_path, capsys):
     kimi = compose(["target=kimi_k25_int4"])
-    est = capture_sizing.estimate(kimi.target, kimi.capture, 88_000_000)
+    est = capture_sizing.estimate(kimi.target, kimi.capture, 88_000_000, kimi.store_capture_ids)
     assert est["bytes_per_token"] == 2 * 4 * 7168 + 5 == 57349
     assert est["projected_bytes"] == 57349 * 88_000_000  # ~5.05 TB (4.59 TiB)
     assert est["projected"].startswith("5.05 TB (4.59 TiB)")
@@ -25,7 +25,7 @@ def test_estimate_and_space_refusal(tiny_target, tmp_path, capsys):
         "int8": {"bytes_per_token": 4 * (7168 + 4) + 5, "projected": "2.52 TB"},  # + a float32 scale a row slice
     }
     int8_cfg = compose(["target=kimi_k25_int4", "capture.state_dtype=int8"])
-    int8 = capture_sizing.estimate(int8_cfg.target, int8_cfg.capture, 88_000_000)
+    int8 = capture_sizing.estimate(int8_cfg.target, int8_cfg.capture, 88_000_000, int8_cfg.store_capture_ids)
     assert int8["bytes_per_token"] == 28693 and int8["projected"].startswith("2.52 TB")
     with pytest.raises(ConfigError, match="capture.store=.*needs ~5.05 TB.*capture.ignore_space=true"):
         capture_sizing.check_space(str(tmp_path / "store"), est["projected_bytes"], ignore=False)

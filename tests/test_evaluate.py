@@ -277,8 +277,7 @@ def test_acceptance_at_temperature_maths():
     import itertools
 
     from eagle3.metrics import expected_acceptance_length, ratio_interval
-    from eagle3.training import forward_batch
-    from eagle3.ttt import acceptance_rates_at
+    from eagle3.training import acceptance_rates_at, forward_batch
 
     rates = [0.9, 0.5, 0.25]
     # Enumerate every accept/reject pattern: tokens = 1 + leading accepted drafts.

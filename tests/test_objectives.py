@@ -289,13 +289,15 @@ def test_draft_section_refuses_an_unknown_head_start():
 # --- the draft's RoPE base (draft.rope_theta) ------------------------------------------------
 def test_draft_rope_theta_is_the_targets_unless_set_and_moves_the_attention():
     from eagle3.attention import make_ttt_attention
+    from eagle3.vocab import build_draft_vocab
     from workflows.core.config import compose
 
     cfg = compose(["+experiment=specforge_smollm2"])  # a preset's spec: no checkpoint needed
+    vocab = build_draft_vocab(torch.ones(cfg.target.vocab_size), 256)
     assert cfg.draft.rope_theta is None
-    assert cfg.draft.build(cfg.target, 256).rope_theta == cfg.target.rope_theta == 100000.0
+    assert cfg.draft.build(cfg.target, vocab).rope_theta == cfg.target.rope_theta == 100000.0
     own = compose(["+experiment=specforge_smollm2", "draft.rope_theta=10000"])
-    assert own.draft.build(cfg.target, 256).rope_theta == 10000.0
+    assert own.draft.build(cfg.target, vocab).rope_theta == 10000.0
     with pytest.raises(ConfigError, match=r"draft.rope_theta=-1.0 is out of range: it must be > 0"):
         compose(["draft.rope_theta=-1"])
     # The base reaches the attention: same weights, another base, other outputs (and the

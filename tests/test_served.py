@@ -114,3 +114,68 @@ def test_a_draft_served_on_the_wrong_layers_falls_below_its_prediction(memorised
     assert check["predicted"] > 3.5  # against a strong draft's prediction (3.94 for vLLM's counters)
     assert check["served_over_predicted"] < 0.85 and not check["matches_prediction"], check
     assert "BELOW PREDICTION by more than 2%" in verdict(check) and "workflows.tools.doctor" in verdict(check)
+
+
+# ------------------------------------------------------------------ a block draft (DFlash), by vLLM
+def block_job(memorised_blocks, tiny_target, folder):
+    return ServeJob(
+        engine="vllm",
+        target_path=str(tiny_target),
+        draft_path=str(folder),
+        method="dflash",
+        num_steps=4,
+        topk=1,
+        num_draft_tokens=5,
+        prompts=memorised_blocks["prompts"],
+        max_new_tokens=memorised_blocks["max_new_tokens"],
+        dtype="float32",
+        timeout_s=600,
+    )
+
+
+def miswired_block_export(memorised_blocks, folder, fault: str):
+    """The block draft's export with one fault: its layer ids one layer up ([2, 3, 4] for a
+    draft trained on [1, 2, 3]), or its mask slots embedded as another token (the trained
+    mask embedding's file gone, the config naming token 5)."""
+    shutil.copytree(memorised_blocks["vllm"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    if fault == "layers":
+        cfg["dflash_config"]["target_layer_ids"] = [2, 3, 4]
+    else:
+        cfg["dflash_config"]["mask_token_id"] = 5
+        (folder / "mask_embedding.pt").unlink()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def test_vllm_serves_the_block_draft_as_predicted_and_flags_a_miswired_one(memorised_blocks, tiny_target, tmp_path):
+    from workflows.core.wiring import side_from_vllm_export
+
+    predicted = memorised_blocks["chain"]["acceptance_vllm"]
+    assert memorised_blocks["chain"]["lossless"] and predicted > 3.5  # strong: a wiring fault shows
+    check = served_check(
+        block_job(memorised_blocks, tiny_target, memorised_blocks["vllm"]),
+        memorised_blocks["greedy"],
+        predicted,
+        "acceptance_vllm",
+        tolerance=0.02,
+    )
+    assert check["identical_to_greedy"] == 8 and check["divergent"] == [], check
+    assert check["accept_length"] == pytest.approx(predicted, rel=0.02), check
+    assert check["matches_prediction"] and check["engine"].startswith("vllm 0.32")
+    # vLLM's accepted tokens per position are the reference decoder's (vLLM counts before the cut).
+    assert sum(check["counters"]["accepted_per_position"]) == check["counters"]["num_accepted_tokens"]
+    for fault in ("layers", "mask"):
+        folder = miswired_block_export(memorised_blocks, tmp_path / fault, fault)
+        if fault == "mask":  # the doctor sees the lost file before any engine does
+            assert any("no mask_embedding.pt" in e for e in side_from_vllm_export(folder).errors)
+        bad = served_check(
+            block_job(memorised_blocks, tiny_target, folder),
+            memorised_blocks["greedy"],
+            predicted,
+            "acceptance_vllm",
+            0.02,
+        )
+        assert bad["identical_to_greedy"] == 8  # lossless still: only the drafts are worse
+        assert bad["served_over_predicted"] < 0.95 and not bad["matches_prediction"], (fault, bad)
+        assert "BELOW PREDICTION by more than 2%" in verdict(bad)

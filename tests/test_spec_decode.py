@@ -244,12 +244,12 @@ def test_sglang_mode_decodes_losslessly(target):
 
 
 def test_evaluate_decodes_with_the_mode_and_reports_both_figures(target, monkeypatch):
+    import eagle3.families as families
     import workflows.evaluate as evaluate
-    from workflows.evaluate import decoding
 
-    modes, real = [], decoding.Eagle3Drafter
+    modes, real = [], families.Eagle3Drafter  # the EAGLE-3 family's drafter (eagle3.families)
     monkeypatch.setattr(
-        decoding,
+        families,
         "Eagle3Drafter",
         lambda d, sglang_compatible=False: (modes.append(sglang_compatible), real(d, sglang_compatible))[1],
     )

@@ -369,3 +369,33 @@ def test_int8_capture_of_the_tiny_target_matches_hf_within_the_bound(tiny_target
         RunLayout.of(cfgs["int8"]).open_store(expect=contract_of(cfgs["bfloat16"], identity))
     with pytest.raises(ProvenanceMismatch, match="'state_dtype'"):
         capture.run(cfg_for(tiny_target, dirs["int8"], "capture.state_dtype=bfloat16"), tiny_target)
+
+
+def test_a_reader_hands_out_a_drafters_own_layers_of_a_union_store(tmp_path):
+    """A store of the union of several drafters' layers ([0, 2, 4] here): a reader asking for
+    [4, 0] gets exactly those layers' columns (and int8 scales), in that order, streaming and
+    by sample, in both schemes; a layer the store lacks is refused, naming it."""
+    from storage.store import StoreError
+
+    states, ids = make_states([5, 3, 7]), ["a", "b", "c"]
+    for scheme in ("bfloat16", "int8"):
+        url = str(tmp_path / scheme)
+        store = HiddenStateStore.create_or_open(url, provenance(state_dtype=scheme))
+        store.commit([store.write_shard("train-000000-x", shard_of(ids, states, scheme))])
+        whole = {s["id"]: s for s in StoreReader(url).iter_samples(["train-000000-x"], dequantize=False)}
+        picked = StoreReader(url, aux_layers=[4, 0])
+        part = {s["id"]: s for s in picked.iter_samples(["train-000000-x"], dequantize=False)}
+        for sid in ids:
+            a = whole[sid]["aux"]
+            assert torch.equal(part[sid]["aux"], torch.cat([a[:, 2 * H : 3 * H], a[:, :H]], dim=1))
+            if scheme == "int8":
+                assert torch.equal(part[sid]["aux_scale"], whole[sid]["aux_scale"][:, [2, 0]])
+            assert torch.equal(part[sid]["final"], whole[sid]["final"])
+            one = picked.sample(sid)["aux"]
+            full = StoreReader(url).sample(sid)["aux"]
+            assert torch.equal(one, torch.cat([full[:, 2 * H :], full[:, :H]], dim=1))
+        assert StoreReader(url, aux_layers=IDS)._aux_slots is None  # the whole store: no copy
+        with pytest.raises(
+            StoreError, match=r"holds capture ids \[0, 2, 4\], the draft reads \[1, 2, 3\]: \[1, 3\] are not captured"
+        ):
+            StoreReader(url, aux_layers=[1, 2, 3])

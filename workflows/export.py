@@ -1,9 +1,19 @@
 """Stage `export`: the trained draft in the layouts serving engines load.
 
+An EAGLE-3 draft:
+
     <run_dir>/export/sglang/   config.json (LlamaForCausalLMEagle3) + model.safetensors
     <run_dir>/export/vllm/     the `speculators` layout (Eagle3Speculator, layers.0.*),
                                written by speculators' own Eagle3Converter from the SGLang
                                export and re-loaded by it (validation)
+
+A DFlash block draft (eagle3.dflash.export, which says what vLLM reads):
+
+    <run_dir>/export/vllm/     config.json (DFlashDraftModel, dflash_config) + model.safetensors
+                               + mask_embedding.pt
+
+Each family's exporter is named in EXPORTERS; an engine folder the draft's family does not
+write is removed, so no export of an earlier draft is left beside this one's.
 
 The draft's tensors already carry SGLang's key names (`fc`, `midlayer.*`, `norm`,
 `lm_head`, `d2t`, `t2d`); the frozen embeddings are not stored, because both engines
@@ -18,16 +28,27 @@ doctor runs before anything is written.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+from eagle3.dflash import export as dflash_export
 from eagle3.draft_config import DraftConfig
+from eagle3.families import family_named
 from eagle3.layer_ids import check_sglang_servable, to_vllm_aux_layer_ids
+from eagle3.schema import ConfigError
 from workflows.core import wiring
 from workflows.core.cli import stage_main
 from workflows.core.config import FullConfig
-from workflows.core.draft_files import EXPORT_CONFIG, EXPORT_WEIGHTS, PROVENANCE, load_draft_config, load_provenance
+from workflows.core.draft_files import (
+    EXPORT_CONFIG,
+    EXPORT_WEIGHTS,
+    MASK_EMBEDDING,
+    PROVENANCE,
+    load_draft_config,
+    load_provenance,
+)
 from workflows.core.draft_files import WEIGHTS as DRAFT_WEIGHTS
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
@@ -132,31 +153,75 @@ def export_vllm(sglang_dir: Path, out: Path, target_path: Path, capture_ids: lis
     return out
 
 
+def export_dflash(
+    draft_dir: Path, out: Path, dtype: str = "bfloat16", target_layer_ids: list[int] | None = None
+) -> Path:
+    """A block draft in vLLM's DFlash layout (eagle3.dflash.export). `target_layer_ids`
+    overrides the draft's ids in config.json: for tests that need a mis-wired export."""
+    import torch
+
+    cfg = load_draft_config(draft_dir)
+    state = load_file(str(draft_dir / DRAFT_WEIGHTS))
+    torch_dtype = getattr(torch, dtype)
+    with atomic_dir(out) as tmp:
+        save_file(
+            dflash_export.export_tensors(state, torch_dtype), str(tmp / EXPORT_WEIGHTS), metadata={"format": "pt"}
+        )
+        torch.save(dflash_export.mask_embedding_file(state, cfg, torch_dtype), tmp / MASK_EMBEDDING)
+        write_json_atomic(tmp / EXPORT_CONFIG, dflash_export.vllm_config(cfg, dtype, target_layer_ids))
+        write_json_atomic(tmp / PROVENANCE, load_provenance(draft_dir))
+    return out
+
+
+def write_eagle3(cfg: FullConfig, layout: RunLayout, draft_dir: Path, target_path: Path) -> list[str]:
+    # SGLang must capture what the draft was trained on (no id N-1; its per-family id rule).
+    check_sglang_servable(
+        cfg.draft_capture_ids, cfg.target.num_layers, cfg.target.model_type, "target.capture_layer_ids"
+    )
+    export_sglang(draft_dir, layout.sglang_export, cfg.target.dtype)
+    if not speculators_available():
+        log("export: the `speculators` package is not installed; vLLM export skipped (pip install -e .[vllm])")
+        return ["sglang"]
+    export_vllm(layout.sglang_export, layout.vllm_export, target_path, cfg.draft_capture_ids)
+    return ["sglang", "vllm"]
+
+
+def write_dflash(cfg: FullConfig, layout: RunLayout, draft_dir: Path, target_path: Path) -> list[str]:
+    export_dflash(draft_dir, layout.vllm_export, cfg.target.dtype)
+    return ["vllm"]
+
+
+# Family -> its exporter: writes the family's engine folders and returns their engines.
+EXPORTERS = {"eagle3": write_eagle3, "dflash": write_dflash}
+
+
 def run(cfg: FullConfig, target_path: Path) -> Path:
     layout = RunLayout.of(cfg)
     out = layout.stage_dir("export")
+    family = family_named(cfg.draft.family)
     key = {
         "target": target_identity(target_path, cfg.cache_path),
         "dtype": cfg.target.dtype,
         "format": EXPORT_FORMAT,
+        "family": family.name,
+        # The formats this machine can write: installing speculators later makes a rerun add vLLM's.
+        "speculators": speculators_available() if family.name == "eagle3" else None,
         **layout.chain("train"),
     }
 
     def build() -> dict:
         draft_dir = layout.require_draft()
-        # SGLang must capture what the draft was trained on (no id N-1; its per-family id rule).
-        check_sglang_servable(
-            cfg.target.capture_ids, cfg.target.num_layers, cfg.target.model_type, "target.capture_layer_ids"
-        )
+        drafted = load_draft_config(draft_dir).family
+        if drafted != family.name:
+            raise ConfigError(
+                f"{draft_dir} holds a {drafted} draft but draft.family={family.name}: rerun the train stage "
+                f"(stages=[train,export,evaluate]) or set draft.family={drafted}"
+            )
         # The doctor first: never export a draft whose wiring contradicts the target.
         wiring.raise_on_errors(wiring.check(wiring.sides_for_run(cfg, target_path, with_export=False)))
-        export_sglang(draft_dir, layout.sglang_export, cfg.target.dtype)
-        formats = ["sglang"]
-        if speculators_available():
-            export_vllm(layout.sglang_export, layout.vllm_export, target_path, cfg.target.capture_ids)
-            formats.append("vllm")
-        else:
-            log("export: the `speculators` package is not installed; vLLM export skipped (pip install -e .[vllm])")
+        for engine in ("sglang", "vllm"):  # no earlier draft's export is left beside this one's
+            shutil.rmtree(layout.export_dir(engine), ignore_errors=True)
+        formats = EXPORTERS[family.name](cfg, layout, draft_dir, target_path)
         wiring.raise_on_errors(wiring.check(wiring.sides_for_run(cfg, target_path, with_export=True)))
         # The train key this export was made from: evaluate scores the export only when it
         # belongs to the draft the train stage holds now.

@@ -23,10 +23,10 @@ def bytes_per_token(n_aux: int, hidden_size: int, state_dtype: str = "bfloat16")
     return state_bytes_per_token(n_aux, hidden_size, state_dtype) + 4 + 1
 
 
-def estimate(target: TargetSpec, capture: CaptureSection, tokens: int) -> dict:
-    """Store bytes for `tokens` corpus tokens of `target`'s states, in the capture's scheme
-    and beside every other scheme."""
-    n_aux, h, scheme = len(target.capture_ids), target.hidden_size, capture.state_dtype
+def estimate(target: TargetSpec, capture: CaptureSection, tokens: int, capture_ids: list[int]) -> dict:
+    """Store bytes for `tokens` corpus tokens of `target`'s states at `capture_ids` (the
+    store's: FullConfig.store_capture_ids), in the capture's scheme and beside every other."""
+    n_aux, h, scheme = len(capture_ids), target.hidden_size, capture.state_dtype
     per_token = bytes_per_token(n_aux, h, scheme)
     # Every scheme's figures beside the configured one's, to choose between them.
     by_scheme = {
@@ -37,7 +37,7 @@ def estimate(target: TargetSpec, capture: CaptureSection, tokens: int) -> dict:
         "target": target.name,
         "num_layers": target.num_layers,
         "hidden_size": h,
-        "capture_layer_ids": target.capture_ids,
+        "capture_layer_ids": list(capture_ids),
         "states_per_token": f"{n_aux} aux + final",
         "state_dtype": scheme,
         "bytes_per_token": per_token,

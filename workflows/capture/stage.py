@@ -160,14 +160,15 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     layout = RunLayout.of(cfg)
     c, out, url = cfg.capture, layout.stage_dir("capture"), layout.store_url
     check_checkpoint(cfg.target, Path(target_path))
-    validate_capture_ids(cfg.target.capture_ids, cfg.target.num_layers, "target.capture_layer_ids")
+    ids = cfg.store_capture_ids  # the union of the drafters' layers (capture.families)
+    validate_capture_ids(ids, cfg.target.num_layers, "the store's capture ids")
     out.mkdir(parents=True, exist_ok=True)
     plans, skipped, corpus_sha, plan_file = plan_corpus(layout, c.shard_samples, out)
     if not plans:
         raise InputError(f"{layout.corpus_shards}: the corpus has no non-empty sample to capture")
     plan = {"shard_samples": c.shard_samples, "corpus_sha256": corpus_sha}
     prov = store_provenance(
-        cfg.target, c, target_identity(target_path, cfg.cache_path), plan, engine_class(c.backend).version()
+        cfg.target, c, target_identity(target_path, cfg.cache_path), plan, engine_class(c.backend).version(), ids
     )
     # The provenance records the whole capture config; the key holds its output settings
     # only (eagle3.schema.NOT_OUTPUT: a raised timeout or more actors reuse the store).
@@ -188,7 +189,7 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         pending = [(name, n) for name, n in plans if name not in committed]
         for name, _ in pending:
             store.remove_shard(name)  # half-written leftovers of a killed writer
-        size = estimate(cfg.target, c, sum(n for _, n in pending))
+        size = estimate(cfg.target, c, sum(n for _, n in pending), ids)
         space = check_space(url, size["projected_bytes"], c.ignore_space)
         log(
             f"capture: {len(plans)} shards ({len(committed)} committed, {len(adopted)} adopted, {len(pending)} to "
@@ -258,7 +259,7 @@ def _capture_with_ray(
     # One engine per actor, on the GPUs Ray gave it (an SGLang actor is one TP group).
     engine = {
         "target_path": str(target_path),
-        "capture_ids": cfg.target.capture_ids,
+        "capture_ids": cfg.store_capture_ids,
         "dtype": engine_dtype(cfg.capture),
         "micro_batch_tokens": c.micro_batch_tokens,
         "trust_remote_code": cfg.target.trust_remote_code,
@@ -337,7 +338,7 @@ def capture_main(cfg: FullConfig) -> None:
     tokens = cfg.capture.estimate_tokens or (corpus or {}).get("tokens")
     if tokens is None:
         raise ConfigError("capture.estimate_only: no finished generate stage here; set capture.estimate_tokens")
-    size = estimate(cfg.target, cfg.capture, tokens)
+    size = estimate(cfg.target, cfg.capture, tokens, cfg.store_capture_ids)
     size["space"] = check_space(layout.store_url, size["projected_bytes"], ignore=True)
     size["projection"] = projection(cfg.capture, cfg.data, tokens, corpus, measured_capture_tokens_per_s(layout))
     print(json.dumps(size, indent=2))

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from eagle3.dflash.config import DFlashConfig, DFlashSettings
 from eagle3.draft_config import DraftConfig
+from eagle3.families import family_named
 from eagle3.schema import NOT_OUTPUT, ConfigError, check_ranges, from_dict
 from eagle3.target_spec import TargetSpec
 from eagle3.training import LoopConfig
@@ -33,6 +35,10 @@ SHARED_OFF = "off"  # shared_dir=off: never share stage outputs, even under mult
 
 @dataclass
 class DraftSection:
+    # The draft's family (eagle3.families): "eagle3" (one layer, drafted token by token,
+    # trained by training-time test) or "dflash" (a block draft: a few layers drafting a
+    # block of tokens in one forward; its settings in `dflash`; preset `draft=dflash`).
+    family: Literal["eagle3", "dflash"] = "eagle3"
     # null: chosen by the vocab stage from the data (see `auto_draft_vocab_size`).
     draft_vocab_size: int | None = None
     # null: the target's intermediate size.
@@ -48,9 +54,20 @@ class DraftSection:
     # short recent window; a smaller base rotates its position dims faster there. Served
     # as is: SGLang and vLLM read the draft's own config.json.
     rope_theta: float | None = None
+    dflash: DFlashSettings = field(default_factory=DFlashSettings)  # the block draft's (family dflash)
 
     def validate(self, where: str = "draft") -> None:
         check_ranges(self, where, draft_vocab_size=">=1", intermediate_size=">=1", rope_theta=">0")
+        family_named(self.family, f"{where}.family")
+        self.dflash.validate(f"{where}.dflash")
+        if self.family != "eagle3":  # the EAGLE-3 layer's own options
+            for name, value in (("fc_norm", self.fc_norm), ("norm_before_fc", self.norm_before_fc)):
+                if value:
+                    raise ConfigError(f"{where}.{name}=true is an EAGLE-3 option; {where}.family={self.family}")
+            if self.init_head != "random":
+                raise ConfigError(
+                    f"{where}.init_head={self.init_head!r} is an EAGLE-3 option; {where}.family={self.family}"
+                )
         if self.init_head not in ("random", "target"):
             raise ConfigError(f"{where}.init_head={self.init_head!r} is not 'random' or 'target'")
         if self.fc_norm and self.norm_before_fc:
@@ -59,15 +76,31 @@ class DraftSection:
                 "pair but vLLM's speculators refuses it; choose one"
             )
 
-    def build(self, target: TargetSpec, draft_vocab_size: int) -> DraftConfig:
+    def build(self, target: TargetSpec, vocab) -> DraftConfig | DFlashConfig:
+        """The draft's architecture for `target` and the vocab stage's map (`d2t`, `t2d`)."""
+        if self.family == "dflash":
+            return self.dflash.build(
+                target,
+                vocab.d2t.numel(),
+                vocab.t2d,
+                intermediate_size=self.intermediate_size,
+                rope_theta=self.rope_theta,
+            )
         return DraftConfig.for_target(
             target,
-            draft_vocab_size,
+            vocab.d2t.numel(),
             self.intermediate_size,
             norm_before_fc=self.norm_before_fc,
             fc_norm=self.fc_norm,
             rope_theta=self.rope_theta,
         )
+
+    def capture_ids(self, target: TargetSpec, family: str | None = None) -> list[int]:
+        """The capture ids a draft of `family` (default: this draft's) reads: EAGLE-3 the
+        target preset's (target.capture_layer_ids), DFlash `dflash.target_layer_ids`."""
+        if (family or self.family) == "dflash":
+            return self.dflash.layer_ids(target)
+        return target.capture_ids
 
 
 def auto_draft_vocab_size(target_vocab: int, distinct_seen: int) -> int:
@@ -231,6 +264,10 @@ class CaptureSection:
     """Hidden-state capture into the Zarr store (see workflows.capture, storage/)."""
 
     backend: Literal["hf", "sglang"] = "hf"  # the capture engine: transformers with hooks, or SGLang
+    # The draft families whose layers the store holds: their capture ids' union is captured
+    # (one store then trains each of them, each reading its own layers). Empty: the
+    # configured draft's family only. E.g. [eagle3, dflash] for a store both can train from.
+    families: list[str] = field(default_factory=list)
     store: str | None = field(default=None, metadata=NOT_OUTPUT)  # local path or fsspec URL; null: <run_dir>/store
     # fsspec options (endpoint, credentials, ...): never written to provenance, W&B or logs.
     storage_options: dict[str, Any] = field(default_factory=dict, metadata=NOT_OUTPUT)
@@ -293,6 +330,8 @@ class CaptureSection:
             engine_timeout_s=">0",
             max_actor_restarts=">=0",
         )
+        for k, name in enumerate(self.families):
+            family_named(name, f"{where}.families[{k}]")
         level = self.compression.removeprefix("zstd").removeprefix(":")
         if self.compression != "none" and not (self.compression.startswith("zstd") and (not level or level.isdigit())):
             raise ConfigError(f"{where}.compression={self.compression!r}: use 'none' or 'zstd[:level]'")
@@ -466,6 +505,53 @@ class FullConfig:
         size = self.draft.draft_vocab_size
         if size is not None and size > self.target.vocab_size:
             raise ConfigError(f"draft.draft_vocab_size={size} exceeds the target's vocab_size={self.target.vocab_size}")
+        self._validate_family()
+
+    def _validate_family(self) -> None:
+        """What the draft's family can train, evaluate and serve."""
+        self.draft.capture_ids(self.target)  # refuses ids the target lacks, naming the field
+        for name in self.capture.families:
+            self.draft.capture_ids(self.target, name)
+        if self.draft.family == "eagle3":
+            if self.train.acceptance_k > self.train.ttt.length:
+                raise ConfigError(
+                    f"train.acceptance_k={self.train.acceptance_k} exceeds train.ttt.length={self.train.ttt.length}: "
+                    "acceptance of k drafts is simulated from k unrolled steps"
+                )
+            return
+        slots = self.draft.dflash.block_size - 1
+        for key, value in (
+            ("train.acceptance_k", self.train.acceptance_k),
+            ("evaluate.num_steps", self.evaluate.num_steps),
+        ):
+            if value > slots:
+                raise ConfigError(
+                    f"{key}={value} exceeds the {slots} draft tokens of a block (draft.dflash.block_size="
+                    f"{self.draft.dflash.block_size}): a block draft proposes at most block_size - 1 per pass"
+                )
+        if self.evaluate.topk > 1 or self.evaluate.tree_topk > 1:
+            raise ConfigError(
+                f"evaluate.topk={self.evaluate.topk}, evaluate.tree_topk={self.evaluate.tree_topk}: a block draft "
+                "proposes one chain per pass (topk 1, tree_topk 0)"
+            )
+        objective = self.train.objective
+        if objective.weighting != "decay" or objective.loss_block_rows:
+            raise ConfigError(
+                "train.objective.weighting=chain and train.objective.loss_block_rows are EAGLE-3 options; the block "
+                "draft weighs its slots by draft.dflash.loss_gamma and scores whole logits"
+            )
+
+    @property
+    def draft_capture_ids(self) -> list[int]:
+        """The capture ids the configured draft reads (its family's)."""
+        return self.draft.capture_ids(self.target)
+
+    @property
+    def store_capture_ids(self) -> list[int]:
+        """The capture ids the store holds: the union over `capture.families` (empty: the
+        draft's family), ascending, so one store can train several families."""
+        families = self.capture.families or [self.draft.family]
+        return sorted({i for name in families for i in self.draft.capture_ids(self.target, name)})
 
     @property
     def run_path(self) -> Path:

@@ -72,7 +72,7 @@ def shared_hashes(cfg) -> dict[str, str]:
         {
             "generate": generate,
             "target": _section(cfg, "target"),
-            "capture_ids": cfg.target.capture_ids,
+            "capture_ids": cfg.store_capture_ids,
             "capture": _section(cfg, "capture"),
         }
     )
@@ -144,13 +144,17 @@ class RunLayout:
         """The trained draft (weights in SGLang's names, config, provenance)."""
         return self.stage_dir("train") / "draft"
 
+    def export_dir(self, engine: str) -> Path:
+        """The export stage's folder for one serving engine ("sglang", "vllm")."""
+        return self.stage_dir("export") / engine
+
     @property
     def sglang_export(self) -> Path:
-        return self.stage_dir("export") / "sglang"
+        return self.export_dir("sglang")
 
     @property
     def vllm_export(self) -> Path:
-        return self.stage_dir("export") / "vllm"
+        return self.export_dir("vllm")
 
     @property
     def report_file(self) -> Path:
@@ -251,8 +255,9 @@ class RunLayout:
         self.require_done("train")
         return self.draft_dir
 
-    def open_store(self, expect: dict | None = None):
-        """A reader of the committed shards of the store, refusing provenance other than `expect`."""
+    def open_store(self, expect: dict | None = None, aux_layers: list[int] | None = None):
+        """A reader of the committed shards of the store, refusing provenance other than
+        `expect`; `aux_layers`: the capture ids it hands out (storage.reader.StoreReader)."""
         from storage.reader import StoreReader
 
-        return StoreReader(self.store_url, self.storage_options, expect=expect)
+        return StoreReader(self.store_url, self.storage_options, expect=expect, aux_layers=aux_layers)

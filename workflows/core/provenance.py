@@ -212,14 +212,15 @@ def target_identity(path: str | Path, cache_dir: str | Path) -> dict:
     return identity
 
 
-def capture_contract(target, capture, identity: Mapping) -> dict:
-    """The fields (CAPTURE_CONTRACT) a store captured by `capture` from `target` holds."""
+def capture_contract(target, capture, identity: Mapping, capture_ids: list[int]) -> dict:
+    """The fields (CAPTURE_CONTRACT) a store of `capture_ids` captured by `capture` from
+    `target` holds (the union of the drafters' layers: FullConfig.store_capture_ids)."""
     contract = {
         "target_path": identity["path"],
         "target_weights_sha256": identity["weights_sha256"],
         "num_layers": target.num_layers,
         "hidden_size": target.hidden_size,
-        "capture_layer_ids": target.capture_ids,
+        "capture_layer_ids": list(capture_ids),
         "layer_id_convention": CONVENTION,
         "state_dtype": capture.state_dtype,
         "final_is_normed": FINAL_IS_NORMED,
@@ -232,10 +233,12 @@ def capture_contract(target, capture, identity: Mapping) -> dict:
     return contract
 
 
-def store_provenance(target, capture, identity: Mapping, plan: Mapping, backend_version: str) -> dict:
+def store_provenance(
+    target, capture, identity: Mapping, plan: Mapping, backend_version: str, capture_ids: list[int]
+) -> dict:
     """The contract plus what is recorded only (versions, the capture section, the shard plan)."""
     return {
-        **capture_contract(target, capture, identity),
+        **capture_contract(target, capture, identity, capture_ids),
         "target_name": target.name,
         "target": {k: identity.get(k) for k in ("model_type", "vocab_size")},
         "stored_as": STORED_AS[capture.state_dtype],
@@ -252,7 +255,8 @@ def draft_provenance(cfg, identity: Mapping, vocab_summary: VocabSummary) -> dic
     return {
         "target": dict(identity),
         "target_name": cfg.target.name,
-        "capture_layer_ids": cfg.target.capture_ids,
+        "draft_family": cfg.draft.family,
+        "capture_layer_ids": cfg.draft_capture_ids,
         "layer_id_convention": CONVENTION,
         "final_is_normed": FINAL_IS_NORMED,
         "hidden_size": cfg.target.hidden_size,

@@ -66,6 +66,8 @@ class ReportHeadline(Record):
     topk: int
     num_draft_tokens: int
     serve_args: list[str]
+    draft_family: str = "eagle3"  # eagle3.families; reports written before families are EAGLE-3's
+    serve_engine: str = "sglang"  # the engine workflows.tools.serve launches with serve_args
     divergences: list[dict] = field(default_factory=list)  # prompts whose answer left greedy's
     served: dict = field(default_factory=dict)  # engine -> its served check (workflows.core.serving)
 

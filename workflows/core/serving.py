@@ -59,6 +59,7 @@ class ServeJob:
     num_steps: int
     topk: int
     num_draft_tokens: int
+    method: str = "eagle3"  # the engine's speculative method for the draft's family (vLLM: "eagle3", "dflash")
     prompts: list[list[int]] = field(default_factory=list)  # token ids, as the engine's input
     max_new_tokens: list[int] = field(default_factory=list)  # per prompt
     eos: list[int] = field(default_factory=list)  # stop tokens (the engine adds the target's own)
@@ -72,6 +73,12 @@ class ServeJob:
     sampled_seeds: list[int] = field(default_factory=list)
     trust_remote_code: bool = False
     timeout_s: float = 1800.0
+
+
+def vllm_speculative_args(method: str, num_steps: int) -> list[str]:
+    """vLLM's drafting flag for a draft of `method` proposing `num_steps` tokens per pass
+    (the report states it; `workflows.tools.serve` adds the draft's folder as "model")."""
+    return ["--speculative-config", json.dumps({"method": method, "num_speculative_tokens": num_steps})]
 
 
 def vllm_python(configured: str | None = None, device: str = "cpu") -> str | None:

@@ -30,12 +30,14 @@ from workflows.core.provenance import target_identity
 
 INPUT_CONVENTION = "input_of_layer"  # SGLang's layers_to_capture
 FIELDS = (
+    "draft_family",
     "capture_layer_ids",
     "target_num_layers",
     "target_hidden_size",
     "target_vocab_size",
     "draft_vocab_size",
     "vocab_map_sha256",
+    "mask_token_id",
     "feature_norms",
     "tokenizer_sha256",
     "chat_template_sha256",
@@ -151,6 +153,9 @@ def side_from_draft(folder: Path) -> Side:
 
     side = side_from_provenance(f"draft checkpoint ({folder})", read_json(folder / draft_files.PROVENANCE))
     cfg = read_json(folder / draft_files.CONFIG)
+    side.facts["draft_family"] = cfg.get("family", "eagle3")
+    if "mask_token_id" in cfg:
+        side.facts["mask_token_id"] = cfg["mask_token_id"]
     if side.facts.get("capture_layer_ids") not in (None, cfg["capture_layer_ids"]):
         side.errors.append(
             f"{side.name}: provenance.json capture_layer_ids={side.facts['capture_layer_ids']} but "
@@ -177,9 +182,13 @@ def side_from_draft(folder: Path) -> Side:
 
 
 def side_from_store(url: str, prov: dict) -> Side:
-    """A hidden-state store's provenance (the capture contract, workflows.core.provenance)."""
+    """A hidden-state store's provenance (the capture contract, workflows.core.provenance).
+    Its capture ids are what it holds: the draft's must be among them (it may hold more,
+    for other drafter families)."""
     side = Side(f"hidden-state store ({url})")
     set_capture_ids(side, prov.get("capture_layer_ids"), prov.get("layer_id_convention"))
+    if "capture_layer_ids" in side.facts:
+        side.facts["stored_capture_ids"] = side.facts.pop("capture_layer_ids")
     side.facts.update(
         {
             k: v
@@ -206,6 +215,7 @@ def side_from_sglang_export(
 
     cfg = read_json(folder / draft_files.EXPORT_CONFIG)
     side = Side(f"SGLang export ({folder})")
+    side.facts["draft_family"] = "eagle3"
     ours = cfg.get("eagle3_pipeline", {})
     n = target_num_layers or ours.get("target_num_layers")
     ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -260,9 +270,55 @@ def side_from_sglang_export(
     return side
 
 
+def side_from_vllm_dflash_export(folder: Path, cfg: dict) -> Side:
+    """vLLM's DFlash layout (eagle3.dflash.export): dflash_config's ids are ours as they are;
+    the weights carry d2t (the draft vocabulary; t2d follows from it), the mask embedding's
+    file names its id."""
+    import torch
+    from safetensors.torch import load_file
+
+    side = Side(f"vLLM DFlash export ({folder})")
+    dflash = cfg.get("dflash_config") or {}
+    side.facts["draft_family"] = "dflash"
+    if dflash.get("target_layer_ids") is None:
+        side.errors.append(f"{side.name}: config.json has no dflash_config.target_layer_ids")
+    else:
+        set_capture_ids(side, dflash["target_layer_ids"], CONVENTION)
+        side.stated["capture_layer_ids"] = f"vLLM's dflash_config.target_layer_ids={dflash['target_layer_ids']}"
+    side.facts.update(
+        {
+            "target_hidden_size": cfg.get("target_hidden_size", cfg.get("hidden_size")),
+            "target_vocab_size": cfg.get("vocab_size"),
+            "mask_token_id": dflash.get("mask_token_id"),
+        }
+    )
+    d2t = load_file(str(folder / draft_files.EXPORT_WEIGHTS)).get("d2t")
+    if d2t is not None:
+        t2d = torch.zeros(int(cfg.get("vocab_size", 0)), dtype=torch.bool)
+        t2d[target_ids_of(d2t)] = True
+        check_vocab_map(side, d2t, t2d)
+    mask_file = folder / draft_files.MASK_EMBEDDING
+    if not mask_file.is_file():
+        side.errors.append(
+            f"{side.name}: no {draft_files.MASK_EMBEDDING}: vLLM would embed the mask slots with the target's row of "
+            f"token {dflash.get('mask_token_id')}, not the trained mask embedding"
+        )
+    else:
+        stated = torch.load(mask_file, weights_only=True, map_location="cpu").get("mask_token_id")
+        if stated != dflash.get("mask_token_id"):
+            side.errors.append(
+                f"{side.name}: {draft_files.MASK_EMBEDDING} is for mask token {stated} but dflash_config.mask_token_id="
+                f"{dflash.get('mask_token_id')} (vLLM refuses the pair)"
+            )
+    return side
+
+
 def side_from_vllm_export(folder: Path) -> Side:
     cfg = read_json(folder / draft_files.EXPORT_CONFIG)
+    if "dflash_config" in cfg:
+        return side_from_vllm_dflash_export(folder, cfg)
     side = Side(f"vLLM/speculators export ({folder})")
+    side.facts["draft_family"] = "eagle3"
     indices = cfg.get("eagle_aux_hidden_state_layer_ids")
     if indices is not None:  # vLLM's numbering: index L = the input of layer L (layer_ids.to_vllm_aux_layer_ids)
         set_capture_ids(side, indices, INPUT_CONVENTION)
@@ -295,6 +351,15 @@ def side_from_engine_capture(name: str, layer_inputs: list[int]) -> Side:
 
 def check(sides: list[Side]) -> list[str]:
     errors = [e for s in sides for e in s.errors]
+    for store in (s for s in sides if s.facts.get("stored_capture_ids") is not None):
+        held = store.facts["stored_capture_ids"]
+        for side in (s for s in sides if s.facts.get("capture_layer_ids") is not None):
+            missing = [i for i in side.facts["capture_layer_ids"] if i not in held]
+            if missing:
+                errors.append(
+                    f"capture_layer_ids: {side.name} says {_show(side, 'capture_layer_ids')} but {store.name} holds "
+                    f"{held}: {missing} are not captured"
+                )
     for f in FIELDS:
         stating = [s for s in sides if s.facts.get(f) is not None]
         for other in stating[1:]:
@@ -317,9 +382,10 @@ def raise_on_errors(errors: list[str]) -> None:
 def sides_for_run(cfg, target_path: Path, with_export: bool = True) -> list[Side]:
     """The config, the target and every artefact of the run that exists."""
     config = Side(
-        f"config (target={cfg.target.name})",
+        f"config (target={cfg.target.name}, draft.family={cfg.draft.family})",
         {
-            "capture_layer_ids": cfg.target.capture_ids,
+            "draft_family": cfg.draft.family,
+            "capture_layer_ids": cfg.draft_capture_ids,
             "target_hidden_size": cfg.target.hidden_size,
             "target_num_layers": cfg.target.num_layers,
             "target_vocab_size": cfg.target.vocab_size,

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import torch
 
+from eagle3.families import family_of
 from eagle3.metrics import Acceptance, SlotCounts, acceptance, expected_acceptance_length, ratio_interval
-from eagle3.spec_decode import Eagle3Drafter, SpeculativeDecoder, greedy_decode
-from eagle3.training import forward_batch
-from eagle3.ttt import TTTConfig, acceptance_rates_at
+from eagle3.spec_decode import SpeculativeDecoder, greedy_decode
+from eagle3.training import acceptance_rates_at, forward_batch
+from eagle3.ttt import TTTConfig
 from workflows.core.config import EvaluateSection
 from workflows.core.log import log
 
@@ -21,7 +22,7 @@ def offline_acceptance(draft, head, groups, batches, k: int) -> tuple[Acceptance
     draft.eval()
     total, per_row = Acceptance(k=k), []
     for group, batch in zip(groups, batches):
-        scores = forward_batch(draft, head, batch, TTTConfig(length=k), train=False)
+        scores = forward_batch(draft, head, batch, TTTConfig(length=k), train=False, steps=k)
         for i in range(len(group)):
             acc = acceptance(
                 scores.correct[i : i + 1], batch["loss_mask"][i : i + 1], batch["attention_mask"][i : i + 1], k
@@ -79,7 +80,7 @@ def decode_all(
     sample = torch.Generator(device=model.device).manual_seed(seed)
     decoder = SpeculativeDecoder(
         model,
-        Eagle3Drafter(draft, sglang_compatible),
+        family_of(draft).drafter(draft, sglang_compatible),
         capture_ids,
         num_steps,
         topk,
@@ -178,7 +179,7 @@ def decode_sampled(
 
 def at_temperature(e: EvaluateSection, model, draft, head, rows, batches, ids, eos) -> dict:
     """Acceptance when the target samples at `evaluate.temperature`: the offline expectation
-    from the per-step acceptance rates of the draft's own guesses (eagle3.ttt.
+    from the per-step acceptance rates of the draft's own guesses (eagle3.training.
     acceptance_rates_at, eagle3.metrics.expected_acceptance_length), and the reference
     decoder sampling once per seed of `evaluate.seeds`, pooled over prompts and seeds with
     a standard error (eagle3.metrics.ratio_interval) in each engine's definition."""

@@ -5,12 +5,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eagle3.families import family_named
 from workflows.core.config import FullConfig
 from workflows.core.errors import MissingArtefact, ServingError
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
 from workflows.core.markers import read_marker
 from workflows.core.serving import ENGINES, ServeJob, available_engines, served_check, verdict
+
+# Why an engine does not serve a family here, where the engine has that method.
+NOT_SERVED = {
+    ("dflash", "sglang"): (
+        "SGLang 0.5.23's DFLASH drafts only with GPU attention backends (flashinfer, fa3, fa4, triton, ...) and "
+        "reads CUDA memory figures in its worker; the project exports DFlash drafts for vLLM, which serves them on "
+        "CPU and GPU"
+    ),
+}
 
 
 def served_checks(
@@ -43,9 +53,14 @@ def served_checks(
             "sglang_draft_attention.acceptance_decoded_sglang_definition",
             report["sglang_draft_attention"]["acceptance_decoded_sglang_definition"],
         )
+    family = family_named(cfg.draft.family)
     have, checks = available_engines(e.vllm_python, device), {}
     for engine in ENGINES if e.served == "auto" else (e.served,):
-        if engine not in have:
+        if engine not in family.served_methods:
+            why = NOT_SERVED.get(
+                (family.name, engine), f"the project does not export {family.name} drafts for {engine}"
+            )
+        elif engine not in have:
             why = (
                 "vLLM is not installed (make setup makes .venv-vllm; or set evaluate.vllm_python)"
                 if engine == "vllm"
@@ -67,6 +82,7 @@ def served_checks(
             engine=engine,
             target_path=str(target_path),
             draft_path=str(folders[engine]),
+            method=family.served_methods[engine],
             num_steps=report["num_steps"],
             topk=report["topk"],
             num_draft_tokens=report["num_draft_tokens"],

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
+from eagle3.families import build_model, family_of
 from eagle3.metrics import assistant_spans
-from eagle3.modeling import Eagle3Draft
 from eagle3.schema import to_dict
 from eagle3.target_head import TargetHead
 from eagle3.target_spec import TargetSpec
@@ -24,6 +24,7 @@ from workflows.core.log import log
 from workflows.core.markers import atomic_dir, read_json, read_marker, run_stage, write_json_atomic
 from workflows.core.provenance import target_identity
 from workflows.core.records import ReportHeadline
+from workflows.core.serving import vllm_speculative_args
 from workflows.core.sglang import speculative_args
 from workflows.evaluate.decoding import at_temperature, decode_all, offline_acceptance
 from workflows.evaluate.report import by_bucket, by_group, markdown, plot, prompt_kind
@@ -55,19 +56,21 @@ def heldout_rows(layout: RunLayout, limit: int, max_new_tokens: int) -> list[dic
     return out
 
 
-def load_draft_for_eval(layout: RunLayout, model, dtype: torch.dtype) -> tuple[Eagle3Draft, str]:
+def load_draft_for_eval(layout: RunLayout, model, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
     """The draft this run's train stage produced: its export (the weights as served) when
     the export stage made it from that very draft, else the trained weights."""
     folder = layout.require_draft()
-    draft = Eagle3Draft(load_draft_config(folder))
+    draft = build_model(load_draft_config(folder))
     draft.load_target_embeddings(model.get_input_embeddings().weight.float())
+    load_draft_weights(folder, draft)
     export = read_marker(layout.stage_dir("export")) or {}
+    # The export that holds the draft's own tensors: SGLang's for EAGLE-3, vLLM's for DFlash.
+    served = layout.export_dir(family_of(draft).weights_export)
     source = folder / draft_files.WEIGHTS
     if export.get("summary", {}).get("train_key") == layout.done_key("train"):
-        source = layout.sglang_export / draft_files.EXPORT_WEIGHTS
+        source = draft_files.load_served_weights(served, draft)
     elif export:
-        log(f"evaluate: {layout.sglang_export} was exported from an older draft; scoring {source} instead")
-    load_draft_weights(folder, draft, file=source)
+        log(f"evaluate: {served} was exported from an older draft; scoring {source} instead")
     return draft.to(model.device, dtype).eval(), str(source)
 
 
@@ -176,6 +179,7 @@ def evaluate_into(cfg: FullConfig, layout: RunLayout, target_path: Path, out: Pa
     model = engine.model
     cfg.target.check_against_hf_config(model.config)
     draft, source = load_draft_for_eval(layout, model, dtype)
+    family = family_of(draft)
     rows = heldout_rows(layout, e.max_prompts, e.max_new_tokens)
     groups = [rows[i : i + 4] for i in range(0, len(rows), 4)]
     batches = engine.training_batches(groups, "capture held-out")
@@ -199,7 +203,12 @@ def evaluate_into(cfg: FullConfig, layout: RunLayout, target_path: Path, out: Pa
         "device": device,
         "dtype_reason": dtype_why,
         "serving_dtype": cfg.target.dtype,
-        "serve_args": speculative_args(k, e.topk, e.num_draft_tokens or k + 1),
+        "draft_family": family.name,
+        # The engine `workflows.tools.serve` launches for this family, and its drafting flags.
+        "serve_engine": family.weights_export,
+        "serve_args": speculative_args(k, e.topk, e.num_draft_tokens or k + 1)
+        if family.weights_export == "sglang"
+        else vllm_speculative_args(family.served_methods["vllm"], k),
         "acceptance_definitions": {
             "acceptance_decoded": "tokens produced by verify passes / verify passes (the prefill's token excluded)",
             "acceptance_decoded_sglang_definition": "completion tokens / verify passes, the prefill's token "

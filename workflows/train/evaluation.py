@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from eagle3.families import family_of
 from eagle3.metrics import acceptance
 from eagle3.training import autocast_for, forward_batch
 from eagle3.ttt import step_weights
@@ -32,7 +33,7 @@ def bucket_of(value: int, edges: list[int]) -> int:
 @torch.no_grad()
 def evaluate_heldout(draft, head, batches, loop_cfg, edges: list[int], device) -> dict:
     draft.eval()
-    length = loop_cfg.ttt.length
+    length = family_of(draft).trained_steps(draft.cfg, loop_cfg.ttt)  # TTT steps, or a block's slots
     names = bucket_names(edges)
     hits = torch.zeros(length, dtype=torch.float64)
     sf_hits = torch.zeros(length, dtype=torch.float64)

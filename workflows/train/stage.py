@@ -129,7 +129,7 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         "draft": output_dict(cfg.draft),
         "seed": cfg.seed,
         "target": identity,
-        "capture_layer_ids": cfg.target.capture_ids,
+        "capture_layer_ids": cfg.draft_capture_ids,
         **layout.chain("generate", "vocab", *(["capture"] if source == "store" else [])),
     }
 
@@ -164,6 +164,13 @@ def resumable_checkpoint(resume: bool, layout: RunLayout, backend: str, fields: 
     return latest
 
 
+def store_expectation(cfg: FullConfig, identity: dict) -> dict:
+    """The capture contract the train stage holds a store to: every field but the capture
+    ids, of which the store must hold the draft's (the reader checks them)."""
+    contract = capture_contract(cfg.target, cfg.capture, identity, cfg.store_capture_ids)
+    return {k: v for k, v in contract.items() if k != "capture_layer_ids"}
+
+
 def job_config(cfg: FullConfig) -> FullConfig:
     """The config as the workers get it. Secrets stay out of what crosses Ray: the store's
     credentials travel once, in the job's storage_options; the target's env is not needed."""
@@ -178,8 +185,11 @@ def train_from_store(
     cfg: FullConfig, layout: RunLayout, target_path: Path, identity: dict, provenance: dict, backend: str
 ) -> dict:
     out = layout.stage_dir("train")
-    expect = capture_contract(cfg.target, cfg.capture, identity)
-    reader = layout.open_store(expect=expect)
+    # The store may hold more layers than the draft reads (capture.families): the contract
+    # holds every other field, and the reader hands out the draft's layers, refusing a store
+    # that lacks one, by name.
+    expect = store_expectation(cfg, identity)
+    reader = layout.open_store(expect=expect, aux_layers=cfg.draft_capture_ids)
     train_shards, heldout_shards = reader.shard_names("train"), reader.shard_names("heldout")
     if not train_shards:
         raise StoreError(
@@ -197,6 +207,7 @@ def train_from_store(
         store_url=layout.store_url,
         storage_options=dict(layout.storage_options),
         expect=expect,
+        aux_layers=cfg.draft_capture_ids,
         final_is_normed=bool(reader.provenance.get("final_is_normed", FINAL_IS_NORMED)),
         provenance=provenance,
         resume_fields=fields,
@@ -257,7 +268,7 @@ def train_online(cfg: FullConfig, layout: RunLayout, target_path: Path, provenan
             str(target_path),
             dtype=resolve(cfg.train.capture_dtype, device),
             device=device,
-            capture_ids=cfg.target.capture_ids,
+            capture_ids=cfg.draft_capture_ids,
             trust_remote_code=cfg.target.trust_remote_code,
         )
     )
@@ -282,6 +293,7 @@ def train_online(cfg: FullConfig, layout: RunLayout, target_path: Path, provenan
         store_url=f"online states of {layout.corpus_shards}",
         storage_options={},
         expect={},
+        aux_layers=None,
         final_is_normed=final_is_normed,
         provenance=provenance,
         resume_fields=fields,

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from eagle3.modeling import Eagle3Draft
+from eagle3.families import build_model
 from eagle3.target_spec import TargetSpec
 from eagle3.training import LoopHooks, PlainOptimizer, fit, make_optimizer
 from eagle3.weight_average import WeightAverage
@@ -49,6 +49,7 @@ class TrainJob:
     store_url: str
     storage_options: dict
     expect: dict  # the capture contract the store must meet (workflows.core.provenance)
+    aux_layers: list[int] | None  # the capture ids the draft reads, of those the store holds
     final_is_normed: bool
     provenance: dict  # what the draft files carry
     resume_fields: dict  # what a resume must not change (workflows.train.checkpoint)
@@ -71,12 +72,12 @@ def batch_settings(train, pad_id: int) -> BatchSettings:
 
 def build_draft(
     section: DraftSection, target: TargetSpec, target_path: str, vocab, *, seed: int, init_from: str | None = None
-) -> Eagle3Draft:
+) -> torch.nn.Module:
     """The draft at its seeded initialisation, with the target's embeddings and the vocab map;
     the same on every worker. `init_from`: a trained draft to warm-start from (weights only,
     a fresh optimizer and schedule)."""
     torch.manual_seed(seed)
-    draft = Eagle3Draft(section.build(target, vocab.d2t.numel()))
+    draft = build_model(section.build(target, vocab))
     draft.load_target_embeddings(read_embeddings(Path(target_path)).float())
     draft.set_vocab_mapping(vocab.d2t, vocab.t2d)
     if section.init_head == "target":
@@ -182,7 +183,11 @@ class Trainer:
             samples
             if samples is not None
             else StoreReader(
-                job.store_url, job.storage_options, expect=job.expect, on_corrupt=cfg.train.on_corrupt_shard
+                job.store_url,
+                job.storage_options,
+                expect=job.expect,
+                on_corrupt=cfg.train.on_corrupt_shard,
+                aux_layers=job.aux_layers,
             )
         )
         self.opt = (
