@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from eagle3.dflash.config import DFlashConfig, evenly_spaced_layer_ids
+from eagle3.dflash.model import DFlashDraft
 from eagle3.draft_config import DraftConfig
 from eagle3.modeling import Eagle3Draft
 from eagle3.objectives import ObjectiveConfig
@@ -36,6 +38,23 @@ LLAMA8B = dict(
     vocab=128256,
     draft_vocab=32000,
     target_hidden=4096,
+)
+# DFlash's recipe for Qwen3-8B (the DFlash paper, SpecForge's and ModelOpt's recipes): 5
+# draft layers of the target's shape over 5 target layers, blocks of 16, 512 anchors a
+# sequence; our draft keeps its own head over a 32000-token draft vocabulary.
+QWEN3_8B_DFLASH = dict(
+    hidden=4096,
+    heads=32,
+    kv_heads=8,
+    head_dim=128,
+    intermediate=12288,
+    vocab=151936,
+    draft_vocab=32000,
+    target_hidden=4096,
+    num_layers=5,
+    num_target_layers=5,
+    block_size=16,
+    num_anchors=512,
 )
 SMALL = dict(
     hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=4096, draft_vocab=1024, target_hidden=256
@@ -85,6 +104,40 @@ def draft_config(s: dict) -> DraftConfig:
     )
 
 
+def dflash_config(s: dict) -> DFlashConfig:
+    """A block draft of the given shapes (QWEN3_8B_DFLASH's keys), on a 36-layer target."""
+    return DFlashConfig(
+        hidden_size=s["hidden"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        head_dim=s["head_dim"],
+        intermediate_size=s["intermediate"],
+        num_layers=s["num_layers"],
+        vocab_size=s["vocab"],
+        draft_vocab_size=s["draft_vocab"],
+        target_hidden_size=s["target_hidden"],
+        target_num_layers=36,
+        capture_layer_ids=evenly_spaced_layer_ids(36, s["num_target_layers"]),
+        block_size=s["block_size"],
+        mask_token_id=s["vocab"] - 1,
+        num_anchors=s["num_anchors"],
+        loss_gamma=7.0,
+    )
+
+
+def dflash_step_flops(cfg: DFlashConfig, tokens: int) -> float:
+    """3x the block draft's forward matmul FLOPs (every anchored block's slots through every
+    layer, the context's keys and values per layer, fc, the draft head on the mask slots),
+    plus the target head's forward over the sequence."""
+    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    slots = min(cfg.num_anchors, tokens) * cfg.block_size
+    layer = 2 * (h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size)
+    attention = 2 * 2 * q * (tokens / 2 + cfg.block_size)  # a slot's scores and values: half the context on average
+    context = tokens * (2 * cfg.num_aux * cfg.target_hidden_size * h + cfg.num_layers * 2 * 2 * h * kv)
+    head = slots * 2 * h * cfg.draft_vocab_size
+    return 3 * (slots * cfg.num_layers * (layer + attention) + context + head) + tokens * 2 * h * cfg.vocab_size
+
+
 def random_batch(cfg: DraftConfig, seq: int, device: torch.device, seed: int = 0, batch: int = 1) -> dict:
     """One batch of random tokens and bf16 states (the store's dtype), every token trained."""
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -109,7 +162,8 @@ def run_one(
     activation_checkpointing: str = "none",
 ) -> dict:
     """Our step (eagle3.training.train_step, as the train stage runs it) at batch 1: seconds
-    per step after one warm-up step, peak memory from the warm-up's end. `loss_block_rows`:
+    per step after one warm-up step, peak memory from the warm-up's end. `cfg`: an EAGLE-3
+    draft's (TTT `ttt` steps) or a DFlash block draft's (its blocks and anchors; `ttt` unused). `loss_block_rows`:
     train.objective.loss_block_rows (soft_ce in blocks of rows, eagle3.chunked_loss);
     `compile_layer`: the draft's decoder layer under torch.compile (its norms, MLP and rotary
     are memory-bound elementwise chains that inductor fuses), a measurement only so far;
@@ -119,9 +173,10 @@ def run_one(
     head_weight = (torch.randn(cfg.vocab_size, cfg.target_hidden_size, generator=g) * 0.02).to(device)
     head = TargetHead(head_weight.bfloat16() if dtype == "bfloat16" else head_weight)
     torch.manual_seed(0)
-    draft = Eagle3Draft(cfg).to(device)
+    draft = (DFlashDraft if isinstance(cfg, DFlashConfig) else Eagle3Draft)(cfg).to(device)
     if compile_layer:
-        draft.midlayer.compile()
+        for layer in draft.layers if isinstance(draft, DFlashDraft) else [draft.midlayer]:
+            layer.compile()
     loop = LoopConfig(
         steps=steps + 1,
         ttt=TTTConfig(length=ttt),
@@ -141,7 +196,8 @@ def run_one(
     sync(device)
     dt = (time.perf_counter() - started) / steps
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    return {"seq": seq, "tokens_per_s": seq / dt, "peak_gib": peak, "tflops": step_flops(cfg, seq, ttt) / dt / 1e12}
+    flops = dflash_step_flops(cfg, seq) if isinstance(cfg, DFlashConfig) else step_flops(cfg, seq, ttt)
+    return {"seq": seq, "tokens_per_s": seq / dt, "peak_gib": peak, "tflops": flops / dt / 1e12}
 
 
 def main() -> None:

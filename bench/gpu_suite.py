@@ -7,7 +7,7 @@
 The lent machine has torch, transformers, triton, numpy and safetensors, and none of Ray,
 DeepSpeed, SGLang, Hydra or pytest; `--wheels` unpacks the carried wheels (SpecForge 0.2.0,
 DeepSpeed 0.19.8 and their small dependencies, pytest, hypothesis) onto `sys.path` without
-installing anything. Five sections, each timed and reported on its own (a failing one is
+installing anything. Six sections, each timed and reported on its own (a failing one is
 reported with its error and the next still runs):
 
 1. `gpu_tests`: the `gpu`-marked tests that need only torch (flex against dense, forward and
@@ -19,7 +19,10 @@ reported with its error and the next still runs):
 3. `capture`: HF capture (the capture stage's writer into a Zarr store) on the device,
    divided by the bare forward of the same engine on the same batches.
 4. `decoder`: the reference speculative decoder on the device, lossless against greedy.
-5. `train_step`: our training step (eagle3.training.train_step, the one production runs)
+5. `dflash_step`: the DFlash block draft's training step (flex block attention) at the
+   DFlash recipe's Qwen3-8B shapes (5 layers, blocks of 16, 512 anchors), T = 2048, 4096,
+   beside SpecForge's own DFlash step from its wheel (bench.specforge_dflash_step).
+6. `train_step`: our training step (eagle3.training.train_step, the one production runs)
    beside SpecForge 0.2.0's (bench.specforge_step) at Llama-3.1-8B draft shapes, TTT 7,
    batch 1, bf16, T = 2048, 4096, 8192: tokens/s, peak GiB, MFU against a bf16 matmul
    measured in the same run, and each variant's wall time with its compilation
@@ -50,13 +53,14 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_train_gpu import LLAMA8B
+from bench.bench_train_gpu import LLAMA8B, QWEN3_8B_DFLASH
 
 ROOT = Path(__file__).resolve().parents[1]
 
 VARIANTS = ("ours", "blocks", "lean", "compiled")  # of our training step; see variants()
 
 TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512, draft_vocab=128, target_hidden=64)
+TINY_DFLASH = {**TINY, "num_layers": 2, "num_target_layers": 3, "block_size": 4, "num_anchors": 8}
 
 
 @dataclass
@@ -85,6 +89,9 @@ class Plan:
     # train_step starts no sequence length it expects to finish past this many seconds
     # (the next length costs about twice the last), so that one lent window holds the suite.
     budget_s: float = 420.0
+    # dflash_step: the block draft's training step at DFlash's Qwen3-8B recipe, these lengths.
+    dflash_shapes: dict | None = None
+    dflash_seqs: tuple[int, ...] = ()
 
     @classmethod
     def full(cls) -> "Plan":
@@ -105,6 +112,8 @@ class Plan:
             capture_samples=64,
             capture_length=1024,
             loss_block_rows=2048,
+            dflash_shapes=QWEN3_8B_DFLASH,
+            dflash_seqs=(2048, 4096),
         )
 
     @classmethod
@@ -122,6 +131,8 @@ class Plan:
             loss_block_rows=16,
             run_gpu_tests=False,
             variant_names=VARIANTS,
+            dflash_shapes=TINY_DFLASH,
+            dflash_seqs=(64,),
         )
 
 
@@ -146,7 +157,7 @@ def unpack_wheels(folder: Path) -> Path:
 # ---------------------------------------------------------------------------- sections
 def gpu_tests(plan: Plan) -> dict:
     """The torch-only `gpu` tests, in a child process (pytest's own run, its own exit code)."""
-    files = ["tests/test_attention_scale.py", "tests/test_device_batches.py"]
+    files = ["tests/test_attention_scale.py", "tests/test_device_batches.py", "tests/test_dflash.py"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files]
     if not plan.run_gpu_tests:
         cmd.append("--collect-only")
@@ -222,6 +233,60 @@ def train_step(plan: Plan) -> dict:
         "ttt": plan.ttt,
         "dtype": plan.dtype,
         "loss_block_rows": plan.loss_block_rows,
+        "rows": rows,
+    }
+
+
+def dflash_step(plan: Plan) -> dict:
+    """The DFlash block draft's training step (eagle3.training.train_step on a DFlashDraft:
+    flex block attention on CUDA) at the DFlash recipe's Qwen3-8B shapes, beside SpecForge's
+    own DFlash step built from its wheel (bench.specforge_dflash_step), per sequence length:
+    tokens/s, peak GiB, MFU. Each side reported on its own: one failing leaves the other."""
+    from bench.bench_train_gpu import dflash_config, dflash_step_flops, matmul_tflops, run_one
+
+    s, dev = plan.dflash_shapes, plan.device
+    cfg = dflash_config(s)
+    peak = matmul_tflops(dev, n=8192 if dev.type == "cuda" else 256, reps=10 if dev.type == "cuda" else 2)
+    rows = []
+    for seq in plan.dflash_seqs:
+        row = {"seq": seq}
+        t0 = time.perf_counter()
+        try:
+            ours = run_one(cfg, seq, cfg.block_size - 1, dev, plan.steps, dtype=plan.dtype)
+            row.update(
+                ours_tokens_per_s=ours["tokens_per_s"], ours_peak_gib=ours["peak_gib"], ours_mfu=ours["tflops"] / peak
+            )
+        except torch.OutOfMemoryError:
+            row["ours"] = "out of memory"
+        row["ours_wall_s"] = time.perf_counter() - t0
+        free(dev)
+        t0 = time.perf_counter()
+        try:
+            from bench.specforge_dflash_step import build_specforge_dflash_step
+
+            step = build_specforge_dflash_step(**s, seq=seq, device=dev, dtype=plan.dtype)
+            sf = time_steps(step, dev, plan.steps)
+            row.update(
+                specforge_tokens_per_s=seq / sf["seconds"],
+                specforge_peak_gib=sf["peak_gib"],
+                specforge_mfu=dflash_step_flops(cfg, seq) / sf["seconds"] / 1e12 / peak,
+                specforge_backend=getattr(step, "backend", "?"),
+            )
+            del step
+        except torch.OutOfMemoryError:
+            row["specforge"] = "out of memory"
+        except Exception as exc:  # SpecForge's side failing says why; ours still stands
+            row["specforge"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        row["specforge_wall_s"] = time.perf_counter() - t0
+        free(dev)
+        if "ours_tokens_per_s" in row and "specforge_tokens_per_s" in row:
+            row["speedup"] = row["ours_tokens_per_s"] / row["specforge_tokens_per_s"]
+        rows.append(row)
+    return {
+        "ok": all("ours_tokens_per_s" in r for r in rows),
+        "matmul_tflops": peak,
+        "shapes": s,
+        "dtype": plan.dtype,
         "rows": rows,
     }
 
@@ -380,6 +445,7 @@ SECTIONS = {
     "deepspeed": deepspeed_vs_plain,
     "capture": capture_ratio,
     "decoder": decoder,
+    "dflash_step": dflash_step,
     "train_step": train_step,
 }
 
@@ -445,6 +511,25 @@ def table(results: dict) -> str:
             for key, name in names.items():
                 if f"{key}_wall_s" not in r:  # a variant this run did not ask for
                     continue
+                tps = r.get(f"{key}_tokens_per_s")
+                ratio = tps / r["specforge_tokens_per_s"] if tps and r.get("specforge_tokens_per_s") else None
+                lines.append(
+                    f"| {r['seq']} | {name} | {fmt(tps, '.0f') if tps else r.get(key, '-')} | "
+                    f"{fmt(r.get(f'{key}_peak_gib'))} | {fmt(r.get(f'{key}_mfu'), '.0%')} | "
+                    f"{fmt(ratio, '.2f')} | {fmt(r.get(f'{key}_wall_s'), '.0f')} |"
+                )
+    blocks = results.get("dflash_step", {})
+    if blocks.get("rows"):
+        lines += [
+            "",
+            f"DFlash block draft, {blocks['shapes'].get('num_layers')} layers, blocks of "
+            f"{blocks['shapes'].get('block_size')}, {blocks['shapes'].get('num_anchors')} anchors ({blocks['dtype']}):",
+            "",
+            "| seq | step | tokens/s | peak GiB | MFU | tokens/s ÷ SpecForge's | wall s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in blocks["rows"]:
+            for key, name in (("ours", "ours"), ("specforge", "SpecForge's DFlash")):
                 tps = r.get(f"{key}_tokens_per_s")
                 ratio = tps / r["specforge_tokens_per_s"] if tps and r.get("specforge_tokens_per_s") else None
                 lines.append(

@@ -132,6 +132,7 @@ def _score_dflash(draft, probs, best, weights, batch, aux, ttt, objective, train
         anchors=draft.cfg.num_anchors if train else None,
         generator=generator,
         chunk=None if train else EVAL_BLOCKS,
+        attention=ttt.attention,
     )
 
 

@@ -366,3 +366,48 @@ def test_a_draft_folder_says_its_family():
     assert config_from_dict(legacy).family == "eagle3"  # folders written before families
     with pytest.raises(ConfigError, match=r"family='medusa' is not a draft family"):
         config_from_dict({**asdict(cfg), "family": "medusa"})
+
+
+# ------------------------------------------------------------------ flex (the GPU path) against dense
+def block_batch_scores(draft, batch, backend: str):
+    head = TargetHead(torch.randn(97, 24, generator=torch.Generator().manual_seed(7), dtype=draft.fc.weight.dtype))
+    head = head.to(batch["aux"].device)
+    probs, best = head(batch["final"], draft.target_ids())
+    weights = step_weights(batch["attention_mask"], batch["attention_mask"], 3, segment_ids=batch["segment_ids"])
+    return score_blocks(draft, probs, best, weights, batch, batch["aux"], decay=0.8, attention=backend)
+
+
+def test_flex_blocks_equal_dense_outputs_and_gradients():
+    """The block-sparse flex mask (every block over [context | all blocks' keys]) gives the
+    dense two-part attention's loss and gradients, packed and padded rows, grouped heads."""
+    from tests.test_attention_scale import cpu_flex_backward
+
+    draft = tiny_dflash(8, block_size=4)
+    batch = packed_batch(8)
+    dense = block_batch_scores(draft, batch, "dense")
+    grads = torch.autograd.grad(dense.loss, [draft.fc.weight, draft.layers[0].self_attn.k_proj.weight])
+    with cpu_flex_backward():
+        flex = block_batch_scores(draft, batch, "flex")
+        flex_grads = torch.autograd.grad(flex.loss, [draft.fc.weight, draft.layers[0].self_attn.k_proj.weight])
+    torch.testing.assert_close(flex.loss, dense.loss, rtol=1e-10, atol=1e-10)
+    assert torch.equal(flex.correct, dense.correct)
+    for a, b in zip(flex_grads, grads):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.gpu
+def test_block_training_on_the_device(device):
+    """On CUDA (when there is one) the block draft trains with flex, compiled, on the
+    device, against dense in fp32; on a CPU-only machine the same on the CPU, dense both."""
+    draft = tiny_dflash(9, block_size=4, dtype=torch.float32).to(device).train()
+    batch = {k: v.to(device) for k, v in packed_batch(9).items()}
+    batch["aux"], batch["final"] = batch["aux"].float(), batch["final"].float()
+    auto = block_batch_scores(draft, batch, "auto")
+    auto.loss.backward()
+    grad = draft.fc.weight.grad.clone()
+    draft.zero_grad()
+    dense = block_batch_scores(draft, batch, "dense")
+    dense.loss.backward()
+    assert auto.loss.device.type == device.type and auto.correct.device.type == device.type
+    torch.testing.assert_close(auto.loss, dense.loss, rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(grad, draft.fc.weight.grad, rtol=2e-3, atol=2e-4)

@@ -37,11 +37,19 @@ def test_the_gpu_suite_dry_run_passes_every_section(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     r = json.loads(out.read_text())
-    assert [k for k in r if k != "environment"] == ["gpu_tests", "deepspeed", "capture", "decoder", "train_step"]
+    assert [k for k in r if k != "environment"] == [
+        "gpu_tests",
+        "deepspeed",
+        "capture",
+        "decoder",
+        "dflash_step",
+        "train_step",
+    ]
     assert all(r[k]["ok"] for k in r), r
     # flex x2 and flex memory (test_attention_scale), four of store batches on the device
-    # (test_device_batches): the dry run collects them (this suite runs them itself).
-    assert r["gpu_tests"]["summary"].startswith("7/") and "tests collected" in r["gpu_tests"]["summary"], r["gpu_tests"]
+    # (test_device_batches), the block draft's training on the device (test_dflash): the dry
+    # run collects them (this suite runs them itself).
+    assert r["gpu_tests"]["summary"].startswith("8/") and "tests collected" in r["gpu_tests"]["summary"], r["gpu_tests"]
     row, skipped = r["train_step"]["rows"]
     assert skipped["seq"] == 80 and skipped["skipped"].startswith("budget: "), skipped
     # Every variant of our step ran (a failing one leaves its error instead of its figures).
@@ -59,6 +67,13 @@ def test_the_gpu_suite_dry_run_passes_every_section(tmp_path):
     assert all(isinstance(r["capture"][k], float) for k in ("compute_over_bare", "write_over_bare")), r["capture"]
     assert 0 < r["capture"]["ratio"] <= 1.5 and r["capture"]["tokens"] == sum(48 - (i % 7) * 3 for i in range(8))
     assert r["decoder"]["identical_to_greedy"] == "4/4"
+    # The block draft's step and SpecForge's own DFlash step, each with its figures.
+    (blocks,) = r["dflash_step"]["rows"]
+    assert blocks["seq"] == 64 and r["dflash_step"]["shapes"]["block_size"] == 4
+    for name in ("ours", "specforge"):
+        assert isinstance(blocks.get(f"{name}_tokens_per_s"), float), (name, blocks.get(name))
+    assert blocks["speedup"] == pytest.approx(blocks["ours_tokens_per_s"] / blocks["specforge_tokens_per_s"])
+    assert "DFlash block draft, 2 layers, blocks of 4, 8 anchors" in done.stdout
     assert "| seq | step | tokens/s |" in done.stdout and "| 80 | skipped | budget: " in done.stdout
 
 

@@ -51,9 +51,17 @@ def overrides(tiny_target, run_dir, *extra) -> list[str]:
 
 @pytest.fixture(scope="module")
 def captured(tiny_target, tmp_path_factory):
-    """A run folder with the corpus, the store (3 train + 1 held-out shards) and the vocab."""
+    """A run folder with the corpus, the store (3 train + 1 held-out shards) and the vocab.
+    The store holds both families' layers (EAGLE-3's [0, 2, 4], DFlash's [1, 2, 3]): each
+    training below reads its own."""
     run_dir = tmp_path_factory.mktemp("captured")
-    full.run(compose(overrides(tiny_target, run_dir, "stages=[target,generate,capture,vocab]")))
+    full.run(
+        compose(
+            overrides(
+                tiny_target, run_dir, "stages=[target,generate,capture,vocab]", "capture.families=[eagle3,dflash]"
+            )
+        )
+    )
     return run_dir
 
 
@@ -85,11 +93,17 @@ AVERAGING = pytest.mark.parametrize("averaging", [(), ("train.ema_decay=0.9",)],
 
 
 @pytest.mark.slow
-@AVERAGING
+@pytest.mark.parametrize(
+    "averaging",
+    [(), ("train.ema_decay=0.9",), ("draft=dflash", "draft.dflash.num_layers=2", "draft.dflash.num_anchors=8")],
+    ids=["last", "average", "dflash"],
+)
 def test_sigkill_mid_epoch_then_resume_is_bit_exact(tiny_target, captured, tmp_path, averaging):
     """Two Ray Train workers; a real SIGKILL of the run's process group between two
     checkpoints; the rerun's steps (losses, grad norms, accuracies, held-out figures) and
-    final weights equal an uninterrupted run's exactly."""
+    final weights equal an uninterrupted run's exactly. For EAGLE-3 (its last weights, or
+    their average) and for the DFlash block draft (whose random anchors come from the same
+    saved generator)."""
     args = (
         "train.steps=24",
         "train.checkpoint_every=8",
@@ -137,7 +151,8 @@ def test_sigkill_mid_epoch_then_resume_is_bit_exact(tiny_target, captured, tmp_p
         assert not (killed / "train" / "DONE.json").exists() and not (killed / "train" / "metrics.json").exists()
         assert logged_steps(killed)[-1] < 23  # killed mid-run, not after it
         kept = latest_ray_checkpoint(killed / "train")
-        assert (kept / AVERAGE).exists() == bool(averaging) and not (kept / TRAINING_WEIGHTS).exists()
+        averaged = "train.ema_decay=0.9" in averaging
+        assert (kept / AVERAGE).exists() == averaged and not (kept / TRAINING_WEIGHTS).exists()
 
         done = subprocess.run(
             train_command(tiny_target, killed, *args), cwd=ROOT, env=env, capture_output=True, text=True
@@ -309,6 +324,22 @@ def test_training_refuses_a_store_of_other_settings(tiny_target, captured, tmp_p
     )
     with pytest.raises(Exception, match="hidden_size"):
         train_stage.run(cfg, tiny_target)
+    # A draft reading a layer the store never captured: refused by name, before any worker starts.
+    lacking = compose(
+        overrides(
+            tiny_target,
+            run_dir,
+            "stages=[train]",
+            "train.backend=local",
+            "train.steps=2",
+            "draft=dflash",
+            "draft.dflash.target_layer_ids=[3,5]",
+        )
+    )
+    with pytest.raises(
+        StoreError, match=r"holds capture ids \[0, 1, 2, 3, 4\], the draft reads \[3, 5\]: \[5\] are not"
+    ):
+        train_stage.run(lacking, tiny_target)
 
 
 @pytest.mark.gpu

@@ -26,7 +26,8 @@ import math
 
 import torch
 
-from eagle3.attention import step0_visible, upcast
+from eagle3.attention import upcast
+from eagle3.dflash.model import BlockVisibility
 from eagle3.objectives import ObjectiveConfig, position_loss
 from eagle3.ttt import StepScores, packing_ids
 
@@ -61,10 +62,7 @@ def context_visibility(rows: torch.Tensor, segments: torch.Tensor) -> torch.Tens
     """rows [B, N] (block n anchored at rows[b, n] + 1), segments [B, T] -> [B, N, T] bool:
     the context rows j <= rows[b, n] of the same sample (the step-0 rule of the TTT
     attention, eagle3.attention.step0_visible, read at the anchor's last verified row)."""
-    t = segments.shape[1]
-    seg_q = segments.gather(1, rows)[:, :, None]
-    k_idx = torch.arange(t, device=rows.device)[None, None, :]
-    return step0_visible(seg_q, segments[:, None, :], rows[:, :, None], k_idx) & (seg_q >= 0)
+    return BlockVisibility(rows, segments).dense
 
 
 def block_inputs(draft, input_ids, positions, rows, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,13 +96,15 @@ def score_blocks(
     anchors: int | None = None,
     generator: torch.Generator | None = None,
     chunk: int | None = None,
+    attention: str = "auto",
 ) -> StepScores:
     """Loss and accuracy of the blocks anchored at the rows `weights` scores (see above).
 
     probs [B, T, Vd], best [B, T]: the target's distribution over the draft vocabulary and
     its argmax per row (eagle3.target_head); weights [B, T, L] (eagle3.ttt.step_weights for
     L = S - 1 slots): which guesses are scored. `anchors`: blocks per row drawn at random
-    (training), None: one at every scored row (evaluation), `chunk` blocks at a time."""
+    (training), None: one at every scored row (evaluation), `chunk` blocks at a time.
+    `attention`: "dense", "flex" or "auto" (flex on CUDA; eagle3.dflash.model.BlockVisibility)."""
     objective = objective or ObjectiveConfig()
     if objective.weighting != "decay" or objective.loss_block_rows:
         raise ValueError("the block draft scores its slots with the decay weighting and whole logits only")
@@ -112,6 +112,7 @@ def score_blocks(
     positions, segments = packing_ids(batch["attention_mask"], batch.get("position_ids"), batch.get("segment_ids"))
     positions, segments = positions.to(aux.device), segments.to(aux.device)
     rows, valid = choose_anchors(weights[..., 0] > 0, anchors, generator)
+    backend = ("flex" if aux.is_cuda else "dense") if attention == "auto" else attention
     slot_w = gather_rows(weights, rows) * valid[..., None]  # [B, N, L]
     reachable = slot_w
     if objective.skip_unreachable:  # leave out guesses whose target token the draft vocab lacks
@@ -130,7 +131,7 @@ def score_blocks(
     for s in range(0, rows.shape[1], step):
         r, w, w_loss = rows[:, s : s + step], slot_w[:, s : s + step], reachable[:, s : s + step]
         ids, pos = block_inputs(draft, batch["input_ids"], positions, r, length + 1)
-        hidden = draft.blocks(ids, pos, context_kv, context_visibility(r, segments))
+        hidden = draft.blocks(ids, pos, context_kv, BlockVisibility(r, segments, backend))
         logits = upcast(draft.logits(hidden[:, :, 1:]))  # [B, n, L, Vd]: the mask slots' guesses
         labels = torch.stack([gather_rows(best, r + 1 + j) for j in range(length)], dim=-1)  # [B, n, L]
         p = torch.stack([gather_rows(probs, r + 1 + j) for j in range(length)], dim=2)  # [B, n, L, Vd]

