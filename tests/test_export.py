@@ -184,3 +184,70 @@ def test_vllm_export_loads_in_speculators(tmp_path, tiny_target):
     assert (
         "says [-1, 1, 3] (vLLM's eagle_aux_hidden_state_layer_ids=[0, 2, 4], index L = the input of layer L)" in error
     )
+
+
+def test_the_export_stage_redoes_itself_when_vllm_export_becomes_possible_and_leaves_no_stale_export(
+    tmp_path, tiny_target, monkeypatch
+):
+    """The stage's key records whether speculators (the vLLM export) was importable: installed
+    later, a rerun adds vLLM's export; and an export that cannot write vLLM's layout removes
+    the previous draft's, so that nothing downstream (the doctor, the served check) reads it."""
+    import workflows.export as export
+    from workflows.core.config import compose
+    from workflows.core.layout import RunLayout
+    from workflows.core.markers import mark_done, read_marker
+
+    cfg = compose(["target=tiny", f"run_dir={tmp_path / 'run'}", f"cache_dir={tiny_target.parent.parent}"])
+    layout = RunLayout.of(cfg)
+    make_draft_dir(layout.draft_dir, tiny_target)
+    mark_done(layout.stage_dir("train"), {"trained": 1}, {})
+    stale = layout.vllm_export
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{}")  # an earlier draft's export
+    monkeypatch.setattr(export, "speculators_available", lambda: False)
+    export.run(cfg, tiny_target)
+    assert read_marker(layout.stage_dir("export"))["summary"]["formats"] == ["sglang"]
+    assert not stale.exists() and (layout.sglang_export / "config.json").is_file()
+    monkeypatch.setattr(export, "speculators_available", lambda: True)
+    export.run(cfg, tiny_target)
+    assert read_marker(layout.stage_dir("export"))["summary"]["formats"] == ["sglang", "vllm"]
+    assert json.loads((layout.vllm_export / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+
+
+def test_a_block_draft_exports_for_vllm_and_the_doctor_reads_it(tmp_path, tiny_target):
+    """The DFlash export: vLLM's config (its ids in the project's numbering), the weights
+    without the shared embeddings, the trained mask embedding beside them; the doctor agrees
+    with the draft, and names a shifted id, a lost mask embedding and a mismatched one."""
+    from eagle3.dflash.export import ARCHITECTURE
+    from tests.test_dflash import tiny_dflash
+    from workflows.export import export_dflash
+
+    draft = tiny_dflash(draft_vocab_size=40, dtype=torch.float32)
+    chosen = torch.arange(40) * 2
+    t2d = torch.zeros(97, dtype=torch.bool)
+    t2d[chosen] = True
+    draft.set_vocab_mapping(chosen - torch.arange(40), t2d)
+    prov = {"capture_layer_ids": [1, 2, 3], "layer_id_convention": "output_of_layer", "hidden_size": 24}
+    save_draft(tmp_path / "draft", draft, prov)
+    out = export_dflash(tmp_path / "draft", tmp_path / "vllm", "float32")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == [ARCHITECTURE] and cfg["model_type"] == "qwen3"
+    assert cfg["dflash_config"] == {"mask_token_id": 96, "target_layer_ids": [1, 2, 3]}
+    assert cfg["num_hidden_layers"] == 2 and cfg["draft_vocab_size"] == 40 and cfg["block_size"] == 4
+    weights = load_file(str(out / "model.safetensors"))
+    assert "embed_tokens.weight" not in weights and "t2d" not in weights and "mask_embedding" not in weights
+    assert torch.equal(weights["layers.1.self_attn.k_norm.weight"], draft.layers[1].self_attn.k_norm.weight)
+    mask = torch.load(out / "mask_embedding.pt", weights_only=True)
+    assert mask["mask_token_id"] == 96 and torch.equal(mask["embedding"], draft.mask_embedding.detach())
+    assert doctor.check([doctor.side_from_draft(tmp_path / "draft"), doctor.side_from_vllm_export(out)]) == []
+    shifted = export_dflash(tmp_path / "draft", tmp_path / "shifted", "float32", target_layer_ids=[2, 3, 4])
+    [error] = doctor.check([doctor.side_from_draft(tmp_path / "draft"), doctor.side_from_vllm_export(shifted)])
+    assert error.startswith("capture_layer_ids:") and "target_layer_ids=[2, 3, 4]" in error, error
+    (shifted / "mask_embedding.pt").unlink()
+    assert any("no mask_embedding.pt" in e for e in doctor.side_from_vllm_export(shifted).errors)
+    torch.save({"mask_token_id": 5, "embedding": mask["embedding"]}, out / "mask_embedding.pt")
+    assert any("is for mask token 5" in e for e in doctor.side_from_vllm_export(out).errors)
+    # An EAGLE-3 export beside a block draft: the families disagree, by name.
+    eagle = export_sglang(make_draft_dir(tmp_path / "e3", tiny_target), tmp_path / "sglang")
+    errors = doctor.check([doctor.side_from_draft(tmp_path / "draft"), doctor.side_from_sglang_export(eagle)])
+    assert any(e.startswith("draft_family:") for e in errors), errors
