@@ -76,6 +76,8 @@ def load_split(overrides: list[str], fraction: float):
     cfg = compose(overrides)
     layout = RunLayout.of(cfg)
     layout.require_done("capture")
+    # Every drafter family of the grid reads its own layers: the store holds their union
+    # (capture.families); a trial's draft picks its own columns (`trial_aux`).
     reader = layout.open_store()
     train_shards = set(reader.shard_names("train"))
     ids = sorted(i for i, (shard, _) in reader.index.items() if shard in train_shards)
@@ -86,7 +88,21 @@ def load_split(overrides: list[str], fraction: float):
         raise SystemExit(f"{layout.store_url}: {len(fit)} fit / {len(val)} validation samples; need both")
     key = hashlib.sha256(json.dumps(reader.provenance, sort_keys=True, default=str).encode()).hexdigest()[:12]
     target = prepare_for(cfg, log=lambda *_: None)
+    _DATA["store_ids"], _DATA["hidden"] = list(reader.provenance["capture_layer_ids"]), reader.provenance["hidden_size"]
     return cfg, target, fit, val, bool(reader.provenance.get("final_is_normed", True)), key
+
+
+def own_layers(samples: list[dict], ids: list[int]) -> list[dict]:
+    """The samples with the aux states of the capture ids `ids` only, of those the store
+    holds (a store of several families' layers; storage.reader.aux_slots refuses a missing one)."""
+    import torch
+
+    from storage.reader import aux_slots
+
+    slots, h = aux_slots(_DATA["store_ids"], ids, "the bench's store"), _DATA["hidden"]
+    if slots is None:
+        return samples
+    return [{**s, "aux": torch.cat([s["aux"][:, k * h : (k + 1) * h] for k in slots], dim=-1)} for s in samples]
 
 
 def decode_rows(samples: list[dict], limit: int, max_new_tokens: int) -> list[dict]:
@@ -180,7 +196,7 @@ def run_trial(args: dict) -> dict:
 
     torch.set_num_threads(_DATA.get("threads", torch.get_num_threads()))
     cfg, draft, head, covered = built_trial(args)
-    fit, val = _DATA["fit"], _DATA["val"]
+    fit, val = own_layers(_DATA["fit"], cfg.draft_capture_ids), own_layers(_DATA["val"], cfg.draft_capture_ids)
     b = cfg.train.batch_size
     rng = random.Random(args["seed"])
     order: list[dict] = []
@@ -294,7 +310,8 @@ def decode_trial(args: dict, result: dict) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    from eagle3.spec_decode import Eagle3Drafter, SpeculativeDecoder
+    from eagle3.families import family_of
+    from eagle3.spec_decode import SpeculativeDecoder
     from workflows.core.engine_spec import EngineSpec
     from workflows.core.engines import HFEngine
 
@@ -302,12 +319,15 @@ def decode_trial(args: dict, result: dict) -> dict:
     cfg, draft, _, _ = built_trial(args)
     draft.load_state_dict(load_file(str(trial_file(args, "safetensors"))), strict=False)
     k = cfg.evaluate.num_steps
-    engine = HFEngine(EngineSpec(args["target"], dtype="float32", capture_ids=cfg.target.capture_ids))
+    engine = HFEngine(EngineSpec(args["target"], dtype="float32", capture_ids=cfg.draft_capture_ids))
     model, draft = engine.model, draft.float().eval()
+    family = family_of(draft)
     eos = [engine.tokenizer.eos_token_id]
     out = dict(result)
     for label, (steps, topk, ndt) in (("chain", (k, 1, k + 1)), ("tree", TREE)):
-        dec = SpeculativeDecoder(model, Eagle3Drafter(draft), cfg.target.capture_ids, steps, topk, ndt, eos)
+        if topk > 1 and not family.trees:  # a block draft proposes one chain per pass
+            continue
+        dec = SpeculativeDecoder(model, family.drafter(draft, False), cfg.draft_capture_ids, steps, topk, ndt, eos)
         gained = passes = 0
         lossless = True
         for row, plain in zip(args["decode"], args["greedy"]):
@@ -467,7 +487,7 @@ def main(argv=None) -> None:
         to_decode = [t for t in trials if t["name"] in chosen and done[trial_stem(t)].get("decoded_on") != decode_key]
         print(f"bench_quality: decoding {len(rows)} validation prompts for {chosen}", flush=True)
         if to_decode:
-            greedy = greedy_answers(str(target), cfg.target.capture_ids, rows)
+            greedy = greedy_answers(str(target), cfg.draft_capture_ids, rows)
             for t in to_decode:
                 t.update(decode=rows, greedy=greedy, decode_key=decode_key)
             for r in run_all(decode_one, to_decode, a, threads):
@@ -524,7 +544,8 @@ def run_pooled(fn, trials: list[dict], a, threads: int):
 
 
 def line(r: dict) -> str:
-    decoded = f" decoded chain {r['decoded_chain']:.3f} tree {r['decoded_tree']:.3f}" if "decoded_chain" in r else ""
+    tree = f" tree {r['decoded_tree']:.3f}" if "decoded_tree" in r else ""  # a block draft drafts chains only
+    decoded = f" decoded chain {r['decoded_chain']:.3f}{tree}" if "decoded_chain" in r else ""
     return (
         f"{r['name']:24s} seed {r['seed']}: walk {r['acceptance_walk']:.3f} (best at step {r['best_step']} of "
         f"{r['steps_done']}/{r['steps']}){decoded} acc0 {r['step_acc'][0]:.3f} alpha0 {r['step_alpha'][0]:.3f} "

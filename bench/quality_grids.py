@@ -113,3 +113,11 @@ GRIDS["long"] = [  # issue 26: what limits held-out acceptance at convergence (1
     # rebuilt store (2026-12-04): walk 1.844 against base 1.913, step 0 ahead, steps 1-6 behind
     ("weighting=chain", ["train.objective.weighting=chain"]),
 ]
+# Issue 47: the block draft (DFlash) against EAGLE-3 at equal data, from one store of both
+# families' layers (run the bench with `capture.families=[eagle3,dflash]` in --overrides).
+# Blocks of 8 serve 7 tokens a pass, EAGLE-3's chain of 7 likewise (evaluate.num_steps=7).
+GRIDS["drafters"] = [
+    ("eagle3", []),
+    ("dflash", ["draft=dflash"]),  # 5 layers (DFlash's recipe), blocks of 8, 64 anchors a row
+    ("dflash layers=1", ["draft=dflash", "draft.dflash.num_layers=1"]),  # EAGLE-3's draft cost
+]
