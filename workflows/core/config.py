@@ -420,8 +420,12 @@ class EvaluateSection:
     # (then auto dtypes follow the GPU: the serving dtype, never a probe of this CPU).
     device: Literal["auto", "cpu", "cuda"] = "auto"
     served_tolerance: float = 0.02  # served / predicted further than this from 1 is flagged
-    served_timeout_s: float = 1800.0  # each engine's start and run, together
-    vllm_python: str | None = None  # the interpreter that has vLLM (null: .venv-vllm, else this one)
+    # Each engine's start and run, together. A changed limit reuses a finished report, unless an
+    # engine ran out of a shorter one in it (workflows.evaluate.stage.run).
+    served_timeout_s: float = field(default=1800.0, metadata=NOT_OUTPUT)
+    # The interpreter that has vLLM (null: .venv-vllm, else this one). An output: it picks the
+    # vLLM build whose figures the report holds, or finds one where none was found.
+    vllm_python: str | None = None
 
     def validate(self, where: str = "evaluate") -> None:
         check_ranges(

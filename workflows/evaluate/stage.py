@@ -4,13 +4,14 @@ See the package's docstring."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
 
 from eagle3.families import build_model, family_of
 from eagle3.metrics import assistant_spans
-from eagle3.schema import to_dict
+from eagle3.schema import output_dict
 from eagle3.target_head import TargetHead
 from eagle3.target_spec import TargetSpec
 from workflows.core import draft_files
@@ -21,7 +22,7 @@ from workflows.core.engines import HFEngine
 from workflows.core.errors import InputError
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
-from workflows.core.markers import atomic_dir, read_json, read_marker, run_stage, write_json_atomic
+from workflows.core.markers import atomic_dir, clear_done, read_json, read_marker, run_stage, write_json_atomic
 from workflows.core.provenance import target_identity
 from workflows.core.records import ReportHeadline
 from workflows.core.serving import vllm_speculative_args
@@ -140,19 +141,38 @@ def evaluation_dtype(requested: str, serving: str, device: str = "cpu") -> tuple
     )
 
 
+def timed_out(report_file: Path) -> list[tuple[str, float]]:
+    """(engine, its limit in s) for each served check of a written report that ran out of time
+    (workflows.core.serving.serve_prompts: "... did not finish within <limit> s ...")."""
+    if not report_file.exists():
+        return []
+    found = []
+    for name, check in read_json(report_file).get("served", {}).items():
+        if m := re.search(r"did not finish within (\S+) s", check.get("error", "")):
+            found.append((name, float(m.group(1))))
+    return found
+
+
 def run(cfg: FullConfig, target_path: Path) -> Path:
     e = cfg.evaluate
     layout = RunLayout.of(cfg)
     out = layout.stage_dir("evaluate")
     served = layout.benchmark_file  # python -m workflows.tools.benchmark --out ...
     key = {
-        "evaluate": to_dict(e),
+        "evaluate": output_dict(e),  # a NOT_OUTPUT setting (served_timeout_s) reuses the finished report
         "target": target_identity(target_path, cfg.cache_path),
         **layout.chain("train"),
         "export": layout.done_key("export"),
         "served": served.stat().st_mtime_ns if served.exists() else None,
         "ablation": ablation_mtime(layout),
     }
+    # served_timeout_s is NOT_OUTPUT, but a report whose engine ran out of a shorter limit than
+    # the one now set is evaluated again (under served=auto a timeout is recorded, not raised).
+    late = [(n, t) for n, t in timed_out(layout.report_file) if t < e.served_timeout_s]
+    if late:
+        ran_out = ", ".join(f"{n} ran out of {t:g} s" for n, t in late)
+        log(f"evaluate: {ran_out} in the finished report, the limit is now {e.served_timeout_s:g} s: evaluating again")
+        clear_done(out)
     return run_stage("evaluate", out, key, lambda: evaluate_into(cfg, layout, target_path, out))
 
 
