@@ -54,6 +54,7 @@ def test_offline_walk_equals_decoded_acceptance_for_a_trained_draft():
 def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target, monkeypatch):
     from tests.test_workflows import tiny_cfg
     from workflows import full
+    from workflows.evaluate.report import served_per_position
 
     cfg = tiny_cfg(
         tiny_target,
@@ -160,6 +161,11 @@ def test_full_pipeline_through_evaluate_writes_the_report(tmp_path, tiny_target,
         hot_vllm["verify"] == "unknown"
         and hot_vllm["predicted"] == report["at_temperature"]["decoded"]["vllm"]["value"]
     )
+    # vLLM's counters by draft position, in the report's P(accepted | reached), in report.md too.
+    per_position = served["vllm"]["per_position_acceptance"]
+    assert per_position == pytest.approx(served_per_position(served["vllm"]["counters"]), nan_ok=True)
+    assert len(per_position) == 3
+    assert f"| served by {served['vllm']['engine']} |" in (tmp_path / "run" / "report" / "report.md").read_text()
     half = 1.96 * 2**0.5 * report["at_temperature"]["decoded"]["vllm"]["standard_error"]
     assert hot_vllm["range95"] == pytest.approx([hot_vllm["predicted"] - half, hot_vllm["predicted"] + half])
     hot = report["at_temperature"]

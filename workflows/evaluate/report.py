@@ -5,6 +5,8 @@ from __future__ import annotations
 import bisect
 from pathlib import Path
 
+from eagle3.metrics import SlotCounts
+
 
 def by_bucket(prompt_lengths: list[int], values: list[tuple[int, int]], edges: list[int]) -> dict:
     """Acceptance (sum tokens / sum passes) per prompt-length bucket '<=edge' / '>last'."""
@@ -36,6 +38,33 @@ def prompt_kind(messages: list[dict]) -> str:
     return "tools" if any(m.get("role") == "tool" or m.get("tool_calls") for m in messages) else "chat"
 
 
+def served_per_position(counters: dict) -> list[float] | None:
+    """An engine's acceptance by draft position in the report's own measure, P(slot i accepted
+    | slot i reached) (eagle3.metrics.SlotCounts.rate), from counters that give the drafts
+    accepted at each position over all drafts (vLLM's `num_accepted_tokens_per_pos`): slot i is
+    reached where slots 0..i-1 were accepted, so its rate is accepted[i] / accepted[i-1], with
+    accepted[-1] = num_drafts. None where the engine gives no such counters (SGLang). vLLM
+    counts a pass's accepted drafts before the answer is cut at its length, the reference
+    decoder up to the cut: only each answer's last pass may count differently."""
+    accepted, drafts = counters.get("accepted_per_position") or [], counters.get("num_drafts") or 0
+    if not accepted or not drafts:
+        return None
+    return SlotCounts([drafts, *accepted[:-1]], list(accepted)).rate
+
+
+def per_position_series(report: dict) -> list[tuple[str, list[float]]]:
+    """(label, P(accepted | reached) by draft position) for the plot and report.md: offline,
+    decoded, then each engine that served with per-position counters."""
+    series = [
+        ("offline (walk)", report["per_position_acceptance_offline"]),
+        ("decoded", report["per_position_acceptance"]),
+    ]
+    for engine, check in report.get("served", {}).items():
+        if check.get("per_position_acceptance"):
+            series.append((f"served by {check.get('engine', engine)}", check["per_position_acceptance"]))
+    return series
+
+
 def plot(report: dict, folder: Path) -> list[str]:
     import matplotlib
 
@@ -43,13 +72,17 @@ def plot(report: dict, folder: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     files = []
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    k = len(report["per_position_acceptance"])
-    xs = list(range(1, k + 1))
-    ax.bar([x - 0.2 for x in xs], report["per_position_acceptance_offline"], 0.4, label="offline (walk)")
-    ax.bar([x + 0.2 for x in xs], report["per_position_acceptance"], 0.4, label="decoded")
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    series = per_position_series(report)
+    width = 0.8 / len(series)
+    for n, (label, rates) in enumerate(series):
+        xs = [i + 1 + (n - (len(series) - 1) / 2) * width for i in range(len(rates))]
+        ax.bar(xs, rates, width, label=label)
+    k = max(len(rates) for _, rates in series)
+    ax.set_xticks(range(1, k + 1))  # draft positions 1..k, never fractions
+    ax.set_xlim(0.5, k + 0.5)  # every position shown, one never reached (no bars) too
     ax.set(xlabel="draft position", ylabel="P(accepted | reached)", title="Acceptance by draft position", ylim=(0, 1))
-    ax.legend()
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=len(series), frameon=False)
     files.append("per_position.png")
     fig.tight_layout(), fig.savefig(folder / files[-1], dpi=100), plt.close(fig)
 
@@ -159,11 +192,19 @@ def markdown(r: dict, plots: list[str]) -> str:
             f"| served ({r['served_benchmark']['api']}), concurrency {c}: tokens/s, accept length | "
             f"{b['tokens_per_s_mean']:.1f}, {b['accept_length']} |"
         )
+    series = per_position_series(r)
+    k = max(len(rates) for _, rates in series)
     lines += [
         "",
-        "Per-position acceptance (P(accepted | reached)), offline vs decoded: "
-        f"{[round(x, 3) for x in r['per_position_acceptance_offline']]} vs "
-        f"{[round(x, 3) for x in r['per_position_acceptance']]}",
+        "Acceptance by draft position, P(accepted | reached) (served: from the engine's own counters, "
+        "which count each answer's last pass before the cut at its length):",
+        "",
+        "| draft position | " + " | ".join(label for label, _ in series) + " |",
+        "|---|" + "---|" * len(series),
+        *[
+            f"| {i + 1} | " + " | ".join(f"{rates[i]:.3f}" if i < len(rates) else "-" for _, rates in series) + " |"
+            for i in range(k)
+        ],
         "",
     ]
     for field, what in (("acceptance_by_prompt_kind", "prompt kind"), ("acceptance_by_dataset", "dataset")):

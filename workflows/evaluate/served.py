@@ -12,6 +12,7 @@ from workflows.core.layout import RunLayout
 from workflows.core.log import log
 from workflows.core.markers import read_marker
 from workflows.core.serving import ENGINES, ServeJob, available_engines, served_check, verdict
+from workflows.evaluate.report import served_per_position
 
 # Why an engine does not serve a family here, where the engine has that method.
 NOT_SERVED = {
@@ -110,6 +111,10 @@ def served_checks(
                 log=log,
                 sampled_prediction=sampled,
             )
+            # By draft position, in the report's measure, where the engine's counters give it (vLLM).
+            per_position = served_per_position(checks[engine]["counters"])
+            if per_position is not None:
+                checks[engine]["per_position_acceptance"] = per_position
         except ServingError as exc:
             if required:
                 raise
