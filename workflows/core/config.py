@@ -366,18 +366,21 @@ class TrackingSection:
 
 @dataclass
 class ServeSection:
-    """SGLang serving (workflows.tools.serve) and its benchmark (workflows.tools.benchmark)."""
+    """Serving a run's draft (workflows.tools.serve) and its benchmark (workflows.tools.benchmark):
+    SGLang for EAGLE-3, vLLM's OpenAI server for the block families (eagle3.families)."""
 
     # All three or none: none serves what the run's report evaluated (see workflows.tools.serve).
     num_steps: int | None = None
-    topk: int | None = None  # SGLang's --speculative-eagle-topk (1: a chain)
-    num_draft_tokens: int | None = None  # SGLang's --speculative-num-draft-tokens
-    draft_path: str | None = None  # null: <run_dir>/export/sglang
+    topk: int | None = None  # SGLang's --speculative-eagle-topk (1: a chain; vLLM drafts chains only)
+    num_draft_tokens: int | None = None  # SGLang's --speculative-num-draft-tokens (vLLM: num_steps + 1)
+    draft_path: str | None = None  # null: <run_dir>/export/<the engine's layout>, sglang or vllm
     host: str = "127.0.0.1"  # the server's bind address (and the benchmark's)
     port: int = 30000  # the server's port
-    cpu: bool = False  # SGLang on a CPU: its CPU engine and the shim's EAGLE-3 path (tests, laptops)
+    # The engine on a CPU (tests, laptops): SGLang's CPU engine with its shim, or vLLM's CPU
+    # build (.venv-vllm) with its stand-ins, float32 and eager.
+    cpu: bool = False
     launch: bool = False  # false: print the command only
-    extra_args: list[str] = field(default_factory=list)  # appended to the sglang.launch_server command as given
+    extra_args: list[str] = field(default_factory=list)  # appended to the engine's server command as given
 
     def validate(self, where: str = "serve") -> None:
         check_ranges(self, where, num_steps=">=1", topk=">=1", num_draft_tokens=">=1", port="[1,65535]")
@@ -420,6 +423,10 @@ class EvaluateSection:
     # (then auto dtypes follow the GPU: the serving dtype, never a probe of this CPU).
     device: Literal["auto", "cpu", "cuda"] = "auto"
     served_tolerance: float = 0.02  # served / predicted further than this from 1 is flagged
+    # The engine's own speed-up: after the speculative round, a second engine without the draft
+    # serves the same prompts, and the check reports tokens/s with and without (each after a
+    # warm-up request). Off by default: on a large target it loads the weights a second time.
+    served_speed: bool = False
     # Each engine's start and run, together. A changed limit reuses a finished report, unless an
     # engine ran out of a shorter one in it (workflows.evaluate.stage.run).
     served_timeout_s: float = field(default=1800.0, metadata=NOT_OUTPUT)

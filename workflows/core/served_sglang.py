@@ -1,6 +1,8 @@
 """python -m workflows.core.served_sglang <job.json> <out.json>: SGLang's offline Engine
 serves the job's prompts with EAGLE-3 speculative decoding and writes what it produced
-(workflows.core.serving runs this in a child process, with the environment it needs)."""
+(workflows.core.serving runs this in a child process, with the environment it needs).
+With the job's `baseline`, a second Engine without the draft then serves the same prompts:
+the engine's own tokens/s with and without its draft, each after a one-prompt warm-up."""
 
 from __future__ import annotations
 
@@ -9,10 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-from workflows.core.sglang import SPECULATIVE_CPU_SETTINGS
+from workflows.core.sglang import CPU_SETTINGS, SPECULATIVE_CPU_SETTINGS
 
 
-def engine_kwargs(job: dict) -> dict:
+def engine_kwargs(job: dict, draft: bool = True) -> dict:
+    """The Engine's arguments: with the job's draft, or (`draft=False`) the target alone."""
     longest = max(len(p) + n for p, n in zip(job["prompts"], job["max_new_tokens"]))
     kw = {
         "model_path": job["target_path"],
@@ -23,15 +26,20 @@ def engine_kwargs(job: dict) -> dict:
         "log_level": "warning",
         "skip_server_warmup": True,
         "disable_radix_cache": True,  # every prompt verified from its first token
-        "speculative_algorithm": "EAGLE3",
-        "speculative_draft_model_path": job["draft_path"],
-        "speculative_num_steps": job["num_steps"],
-        "speculative_eagle_topk": job["topk"],
-        "speculative_num_draft_tokens": job["num_draft_tokens"],
         "context_length": longest + job["num_draft_tokens"] + 8,
     }
+    if draft:
+        kw.update(
+            {
+                "speculative_algorithm": "EAGLE3",
+                "speculative_draft_model_path": job["draft_path"],
+                "speculative_num_steps": job["num_steps"],
+                "speculative_eagle_topk": job["topk"],
+                "speculative_num_draft_tokens": job["num_draft_tokens"],
+            }
+        )
     if job["device"] == "cpu":
-        kw.update(SPECULATIVE_CPU_SETTINGS)
+        kw.update(SPECULATIVE_CPU_SETTINGS if draft else CPU_SETTINGS)
         kw["max_total_tokens"] = max(4096, 2 * len(job["prompts"]) * kw["context_length"])
     return kw
 
@@ -45,6 +53,7 @@ def main(argv=None) -> None:
 
     engine = sgl.Engine(**engine_kwargs(job))
     try:
+        warm_up(engine, job)
         t0 = time.perf_counter()
         result = {"engine": f"sglang {version('sglang')}", **round_of(engine, job, 0.0, None)}
         result["seconds"] = time.perf_counter() - t0
@@ -54,7 +63,21 @@ def main(argv=None) -> None:
             result["sampled_verify"] = verify_rule(job["device"])
     finally:
         engine.shutdown()
+    if job.get("baseline"):  # the same prompts, the target alone: the engine's speed without its draft
+        engine = sgl.Engine(**engine_kwargs(job, draft=False))
+        try:
+            warm_up(engine, job)
+            t0 = time.perf_counter()
+            plain = round_of(engine, job, 0.0, None)
+            result["baseline"] = {"seconds": time.perf_counter() - t0, "outputs": plain["outputs"]}
+        finally:
+            engine.shutdown()
     Path(out_file).write_text(json.dumps(result))
+
+
+def warm_up(engine, job: dict) -> None:
+    """One short request first, so that neither timed round pays for the engine's first one."""
+    engine.generate(input_ids=[job["prompts"][0]], sampling_params=[{"max_new_tokens": 4, "temperature": 0.0}])
 
 
 def verify_rule(device: str) -> str:

@@ -74,6 +74,9 @@ class ServeJob:
     sampled_seeds: list[int] = field(default_factory=list)
     trust_remote_code: bool = False
     timeout_s: float = 1800.0
+    # After the speculative rounds, the same prompts served by the target alone (an engine
+    # without the draft, in the same process): the engine's own tokens/s with and without.
+    baseline: bool = False
 
 
 def vllm_speculative_args(method: str, num_steps: int) -> list[str]:
@@ -251,6 +254,7 @@ def served_check(
     ]
     ratio = figure / predicted if predicted else float("nan")
     tokens = sum(len(o) for o in result["outputs"])
+    speed = tokens / result["seconds"] if result["seconds"] else float("nan")
     return {
         "engine": result["engine"],
         "draft": job.draft_path,
@@ -269,15 +273,28 @@ def served_check(
         "prompts": len(greedy),
         "identical_to_greedy": len(greedy) - len(divergent),
         "divergent": divergent,
-        "tokens_per_s": tokens / result["seconds"] if result["seconds"] else float("nan"),
+        "tokens_per_s": speed,
+        **({"without_draft": without_draft(result["baseline"], speed, greedy)} if "baseline" in result else {}),
         "wall_s": result["wall_s"],
-        "counters": {k: v for k, v in result.items() if k not in ("outputs", "engine", "sampled", "sampled_verify")},
+        "counters": {
+            k: v for k, v in result.items() if k not in ("outputs", "engine", "sampled", "sampled_verify", "baseline")
+        },
         **(
             {"sampled": sampled_figures(job, result["sampled"], sampled_prediction, result.get("sampled_verify"))}
             if "sampled" in result
             else {}
         ),
     }
+
+
+def without_draft(baseline: dict, speed: float, greedy: list[list[int]]) -> dict:
+    """The engine serving the same prompts without the draft: its tokens/s, the speed-up the
+    draft gives it (tokens/s with / without, the same prompts and budgets), and whether its
+    answers are plain greedy decoding too."""
+    tokens = sum(len(o) for o in baseline["outputs"])
+    plain = tokens / baseline["seconds"] if baseline["seconds"] else float("nan")
+    same = sum(first_divergence(out, ref) is None for out, ref in zip(baseline["outputs"], greedy))
+    return {"tokens_per_s": plain, "speedup": speed / plain if plain else float("nan"), "identical_to_greedy": same}
 
 
 def sampled_figures(job: ServeJob, sampled: dict, prediction: dict | None, verify: str | None = None) -> dict:
@@ -315,6 +332,11 @@ def verdict(check: dict) -> str:
         f"(x{check['served_over_predicted']:.3f}), identical to greedy {check['identical_to_greedy']}/"
         f"{check['prompts']}"
     )
+    if "without_draft" in check:
+        line += (
+            f", {check['tokens_per_s']:.1f} tokens/s with the draft / {check['without_draft']['tokens_per_s']:.1f} "
+            f"without: x{check['without_draft']['speedup']:.2f}"
+        )
     sampled = check.get("sampled", {})
     if sampled.get("verify") == "argmax":
         line += (

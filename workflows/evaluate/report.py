@@ -172,6 +172,12 @@ def markdown(r: dict, plots: list[str]) -> str:
                 f"{c['accept_length']:.3f} / {c['predicted']:.3f} / {c['served_over_predicted']:.3f} / "
                 f"{c['identical_to_greedy']} of {c['prompts']} |"
             )
+            if "without_draft" in c:
+                w = c["without_draft"]
+                lines.append(
+                    f"| served by {c['engine']}: tokens/s with the draft / without / speed-up (batch 1) | "
+                    f"{c['tokens_per_s']:.1f} / {w['tokens_per_s']:.1f} / {w['speedup']:.2f} |"
+                )
             if c.get("sampled", {}).get("verify") == "argmax":
                 t = c["sampled"]
                 lines.append(

@@ -98,6 +98,7 @@ def served_checks(
             timeout_s=e.served_timeout_s,
             sampled_temperature=e.temperature,
             sampled_seeds=list(e.seeds) if e.temperature > 0 else [],
+            baseline=e.served_speed,
         )
         sampled = report.get("at_temperature", {}).get("decoded", {}).get(engine)
         try:
