@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 from collections import Counter
 
 import fsspec
@@ -393,15 +394,63 @@ def test_bad_content_parts_are_counted_skips(tmp_path, content):
     assert len(rows) == 1 and counts["skipped_missing_role_or_content"] == 1
 
 
-def test_content_parts_only_in_openai_format(tmp_path):
+def test_sharegpt_values_as_parts_are_joined_as_openai_content_is(tmp_path):
+    """Converted OpenAI sets write ShareGPT values as lists of parts: read like OpenAI's."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    records = [
+        {
+            "conversations": [
+                {"from": "system", "value": [{"type": "text", "text": "Be brief."}]},
+                {
+                    "from": "human",
+                    "value": [{"type": "text", "text": "Describe"}, image, {"type": "text", "text": "it."}],
+                },
+                {"from": "gpt", "value": [{"type": "text", "text": "A"}, {"type": "input_text", "text": "cat."}]},
+            ]
+        },
+        {"conversations": [{"from": "human", "value": [image]}]},  # no text: skipped, its part not counted
+    ]
     path = tmp_path / "sg.jsonl"
-    path.write_text(
-        json.dumps({"conversations": [{"from": "human", "value": [{"type": "text", "text": "hi"}]}]})
-        + "\n"
-        + json.dumps({"prompt": "fine"})
-    )
-    rows, counts = ingest_file(path)
-    assert len(rows) == 1 and counts["skipped_missing_role_or_content"] == 1
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    logs = []
+    rows, counts = ingest.ingest_dataset("d", str(path), "sharegpt", "auto", None, 1.0, "auto", 0.1, set(), logs.append)
+    assert [(m["role"], m["content"]) for m in rows[0]["messages"]] == [
+        ("system", "Be brief."),
+        ("user", "Describe it."),
+        ("assistant", "A cat."),
+    ]
+    assert counts["conversations"] == 1 and counts["records"] == 2
+    assert counts["skipped_non_text_part"] == 1 and counts["skipped_missing_role_or_content"] == 1
+    assert f"ingest d: skipped 1 content part(s) for non_text_part, first at {path}:1" in logs
+    assert any(f"for missing_role_or_content, first at {path}:2 turn 0: no text part" in m for m in logs)
+
+
+@pytest.mark.parametrize(
+    "turns, detail",
+    [
+        ({"conversations": [{"from": "human", "value": None}]}, "turn 0: null or missing"),
+        ({"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": 42}]}, "turn 1: a number"),
+        ({"conversations": [{"from": "human"}]}, "turn 0: null or missing"),
+        ({"conversations": [{"from": "human", "value": {"text": "a"}}]}, "turn 0: an object"),
+        ({"messages": [{"role": "user", "content": 1.5}]}, "turn 0: a number"),
+        ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": True}]}, "turn 1: a boolean"),
+        (
+            {"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": None}]},
+            "turn 1: null or missing",
+        ),
+    ],
+)
+def test_a_value_that_is_no_text_is_a_counted_skip_saying_what_it_is(tmp_path, turns, detail):
+    path = tmp_path / "v.jsonl"
+    path.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps(turns) + "\n")
+    logs = []
+    rows, counts = ingest.ingest_dataset("d", str(path), "auto", "auto", None, 1.0, "auto", 0.1, set(), logs.append)
+    assert [r["messages"][0]["content"] for r in rows] == ["fine"]
+    assert counts["skipped_missing_role_or_content"] == 1 and counts["records"] == 2
+    assert logs == [
+        f"ingest d: skipped 1 record(s) for missing_role_or_content, first at {path}:2 {detail}, "
+        "not text or a list of parts"
+    ]
 
 
 def test_accounting_table_shows_non_text_parts():
@@ -588,6 +637,39 @@ def test_a_lone_surrogate_is_a_counted_skip_naming_its_line(tmp_path):
         f"ingest d: skipped 2 record(s) for lone_surrogate, first at {path}:2 turn 0 content: a lone "
         "UTF-16 surrogate (a broken emoji?)"
     ]
+
+
+# ----------------------------------------------------------------------------- deep nesting
+
+DEEP = 100_000
+
+
+@pytest.mark.parametrize("deep", ["[" * DEEP + "]" * DEEP, '{"messages": ' + '{"a": ' * DEEP + "1" + "}" * DEEP + "}"])
+def test_a_line_nested_too_deep_is_a_counted_skip_naming_its_line(tmp_path, deep):
+    """Valid JSON past what Python's parser nests: a counted skip in the accounting table,
+    not a bare RecursionError; the lines around it are kept."""
+    from workflows.generate import stage
+
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + deep + '\n{"prompt": "also fine"}\n')
+    logs = []
+    rows, counts = ingest.ingest_dataset("d", str(path), "auto", "auto", None, 1.0, "auto", 0.0, set(), logs.append)
+    assert [r["messages"][0]["content"] for r in rows] == ["fine", "also fine"]
+    assert counts["skipped_too_deep"] == 1 and counts["records"] == 3 and counts["conversations"] == 2
+    assert logs == [
+        f"ingest d: skipped 1 record(s) for too_deep, first at {path}:2 nested deeper than Python's JSON "
+        f"parser goes (~{sys.getrecursionlimit()})"
+    ]
+    table = stage.format_accounting(stage.accounting({"d": counts}, {}))
+    assert "too_deep=1" in table.splitlines()[1]
+
+
+def test_a_json_file_nested_too_deep_is_an_error_naming_its_line(tmp_path):
+    """A JSON file is one list: its deep record cannot be skipped alone, so say where it is."""
+    path = tmp_path / "deep.json"
+    path.write_text('[\n{"prompt": "fine"},\n{"prompt": "[[[ in a string"},\n' + "[" * DEEP + "]" * DEEP + "\n]")
+    with pytest.raises(ingest.IngestError, match=r"deep.json:4: JSON nested deeper than .* write the file as JSONL"):
+        ingest_file(path)
 
 
 # ----------------------------------------------------------------------------- tool turns

@@ -1,7 +1,8 @@
 """Ingestion: prompt datasets in the formats people have -> one normalised Parquet table.
 
 Formats (`format`, or `auto` to detect per record):
-* `sharegpt`: `{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}, ...]}`
+* `sharegpt`: `{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}, ...]}`;
+  `value` is a string or, as in sets converted from OpenAI's, a list of parts read as below
 * `openai`:   `{"messages": [{"role": ..., "content": ..., "reasoning_content"?: ...}, ...]}`;
   `content` is a string or a list of parts (`[{"type": "text", "text": ...}, {"type":
   "image_url", ...}]`): the text parts (`text`/`input_text`) are joined with one space, as
@@ -33,11 +34,13 @@ forces one split or takes each record's own (`split: record`).
 
 What is fatal and what is skipped (nothing is dropped silently):
 * fatal, naming file and line (JSON/JSONL) or row (Parquet): malformed JSON, bytes that are
-  not UTF-8, a record that is not an object or lacks the format's field, an unreadable file.
+  not UTF-8, a record that is not an object or lacks the format's field, an unreadable file,
+  a JSON file nesting deeper than Python's parser goes (its deepest line named).
 * counted skips, by reason, in the accounting table (first location of each logged):
   `empty_conversation` (no turns, or no user turn), `missing_role_or_content`,
   `unknown_role`, `non_alternating_roles`, `empty_prompt`, `duplicate`, `weight_sampled_out`,
   `lone_surrogate` (a `\ud800`-style escape: valid JSON, but not text any tokenizer takes),
+  `too_deep` (a JSONL line nesting deeper than Python's parser goes: valid JSON, no record),
   `bad_tool_call` (a call without a name, unreadable call text), `bad_tool_arguments`
   (arguments that are not a JSON object), `bad_tools` (an unreadable tool list),
   `tool_result_without_call`, `tool_call_without_result` (a call followed by a user turn);
@@ -57,6 +60,8 @@ import gzip
 import hashlib
 import io
 import json
+import re
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
@@ -143,8 +148,22 @@ def _decode(data: bytes, path: str, line_of_offset) -> str:
         raise IngestError(f"{path}:{line}: not UTF-8 (byte 0x{data[start]:02x} at column {col})") from None
 
 
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def _deepest_line(text: str) -> int:
+    """The line where JSON `text` first nests deepest (brackets inside strings skipped)."""
+    depth, deepest, at = 0, 0, 0
+    for token in _JSON_TOKEN.finditer(text):
+        depth += {"[": 1, "{": 1, "]": -1, "}": -1}.get(token.group(), 0)
+        if depth > deepest:
+            deepest, at = depth, token.start()
+    return text.count("\n", 0, at) + 1
+
+
 def iter_records(path: str, file_type: str = "auto") -> Iterator[tuple[str, Any]]:
-    """(location, record) pairs; location is `file:line` or `file:row N`."""
+    """(location, record) pairs; location is `file:line` or `file:row N`. The record is a
+    Skip where a line is valid JSON that cannot be read as a record (`too_deep`)."""
     kind = _file_type(path, file_type)
     if kind == "parquet":
         import pyarrow.parquet as pq
@@ -170,6 +189,12 @@ def iter_records(path: str, file_type: str = "auto") -> Iterator[tuple[str, Any]
             records = json.loads(text)
         except json.JSONDecodeError as exc:
             raise IngestError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg}, column {exc.colno})") from None
+        except RecursionError:  # one list: no record can be skipped alone, as a JSONL line is
+            raise IngestError(
+                f"{path}:{_deepest_line(text)}: JSON nested deeper than Python's parser goes "
+                f"(~{sys.getrecursionlimit()} levels); drop that record, or write the file as JSONL "
+                "(one record a line), where such a record is a counted too_deep skip"
+            ) from None
         if isinstance(records, dict) and isinstance(records.get("data"), list):
             records = records["data"]
         if not isinstance(records, list):
@@ -184,15 +209,19 @@ def iter_records(path: str, file_type: str = "auto") -> Iterator[tuple[str, Any]
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise IngestError(f"{path}:{lineno}: malformed JSON ({exc.msg}, column {exc.colno})") from None
+        except RecursionError:
+            # Valid JSON, but past what Python's parser can nest: like a lone surrogate, no
+            # conversation a target takes, so one such line is a counted skip, not a lost file.
+            record = Skip("too_deep", f"nested deeper than Python's JSON parser goes (~{sys.getrecursionlimit()})")
         yield f"{path}:{lineno}", record
 
 
 # ----------------------------------------------------------------------------- normalising
 
 
-def _turns(items, role_key, text_key, roles, allow_parts=False) -> tuple[list[dict], int]:
-    """Messages of a conversation and the number of non-text parts dropped from it
-    (content lists only when `allow_parts`, i.e. the OpenAI format)."""
+def _turns(items, role_key, text_key, roles, openai=False) -> tuple[list[dict], int]:
+    """Messages of a conversation and the number of non-text parts dropped from its content
+    lists; `openai` reads the OpenAI tool layouts, else ShareGPT's."""
     if not isinstance(items, list) or not items:
         raise Skip("empty_conversation")
     out, dropped = [], 0
@@ -204,20 +233,18 @@ def _turns(items, role_key, text_key, roles, allow_parts=False) -> tuple[list[di
         if role is None:
             raise Skip("unknown_role", f"turn {k}: {turn[role_key]!r}")
         where = f"turn {k}"
-        if role == "assistant" and allow_parts:
+        if role == "assistant" and openai:
             message, n = tool_turns.openai_assistant(turn, where)
-        elif role == "tool" and allow_parts:
+        elif role == "tool" and openai:
             message, n = tool_turns.openai_tool(turn, where), 0
         else:
-            value = turn.get(text_key)
-            if not isinstance(value, (str, list) if allow_parts else str):
-                raise Skip("missing_role_or_content", where)
-            text, n = content_text(value, where)
+            # A ShareGPT value may be a list of parts too (converted OpenAI sets write them).
+            text, n = content_text(turn.get(text_key), where)
             if given == "function_call":  # ShareGPT: the value is the call, as JSON
                 message = new_message("assistant", "", tool_calls=tool_turns.json_calls(text, where))
-            elif role == "assistant" and not allow_parts:
+            elif role == "assistant" and not openai:
                 message = tool_turns.sharegpt_assistant(text, where)
-            elif role == "tool" and not allow_parts:
+            elif role == "tool" and not openai:
                 out += [new_message("tool", r) for r in tool_turns.tool_results(text)]
                 continue
             else:
@@ -284,9 +311,9 @@ def normalise(
         raise IngestError(f"{location}: missing field {key!r} (format {fmt})")
     dropped = 0
     if fmt == "sharegpt":
-        messages, _ = _turns(record[key], "from", "value", SHAREGPT_ROLES)
+        messages, dropped = _turns(record[key], "from", "value", SHAREGPT_ROLES)
     elif fmt == "openai":
-        messages, dropped = _turns(record[key], "role", "content", OPENAI_ROLES, allow_parts=True)
+        messages, dropped = _turns(record[key], "role", "content", OPENAI_ROLES, openai=True)
     else:
         if not isinstance(record[key], str):
             raise IngestError(f"{location}: field {key!r} must be a string")
@@ -371,6 +398,8 @@ def ingest_dataset(
             break
         counts["records"] += 1
         try:
+            if isinstance(record, Skip):  # read, but not as a record (iter_records)
+                raise record
             messages, dropped_parts, tools = normalise(record, fmt, location, prompt_field, tools_field)
             if isinstance(record.get("id"), str) and not _encodable(record["id"]):
                 raise Skip("lone_surrogate", "field 'id': a lone UTF-16 surrogate")

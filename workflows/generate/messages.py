@@ -25,7 +25,7 @@ def content_text(content: Any, where: str) -> tuple[str, int]:
     if isinstance(content, str):
         return content, 0
     if not isinstance(content, list):
-        raise Skip("missing_role_or_content", where)
+        raise Skip("missing_role_or_content", f"{where}: {_json_kind(content)}, not text or a list of parts")
     texts, dropped = [], 0
     for part in content:
         if isinstance(part, dict) and part.get("type") in TEXT_PART_TYPES:
@@ -37,6 +37,15 @@ def content_text(content: Any, where: str) -> tuple[str, int]:
     if not texts:
         raise Skip("missing_role_or_content", f"{where}: no text part")
     return PART_SEPARATOR.join(texts), dropped
+
+
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, in JSON's words (the skip's detail is read by whoever wrote it)."""
+    if value is None:
+        return "null or missing"
+    if isinstance(value, bool):
+        return "a boolean"
+    return "a number" if isinstance(value, (int, float)) else "an object"
 
 
 def new_message(role: str, content: str, **extra) -> dict:

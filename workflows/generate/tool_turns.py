@@ -112,8 +112,6 @@ def openai_assistant(turn: dict, where: str) -> tuple[dict, int]:
     parsed = [_call(c, f"{where} call {j}") for j, c in enumerate(calls or [])]
     if content is None and parsed:  # OpenAI writes null content beside the calls
         return new_message("assistant", "", tool_calls=parsed), 0
-    if not isinstance(content, (str, list)):
-        raise Skip("missing_role_or_content", where)
     if isinstance(content, list) and not content and parsed:
         return new_message("assistant", "", tool_calls=parsed), 0
     text, n = content_text(content, where)
@@ -126,8 +124,6 @@ def openai_tool(turn: dict, where: str) -> dict:
         isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PART_TYPES for p in content)
     ):
         content = json.dumps(content, ensure_ascii=False)  # a structured result: its JSON text
-    if not isinstance(content, (str, list)):
-        raise Skip("missing_role_or_content", where)
     text, _ = content_text(content, where)
     ids = {k: turn[k] for k in ("tool_call_id", "name") if isinstance(turn.get(k), str) and turn[k]}
     return new_message("tool", text, **ids)
