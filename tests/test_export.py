@@ -112,6 +112,25 @@ def test_draft_section_refuses_both_feature_norms():
         DraftSection(fc_norm=True, norm_before_fc=True).validate()
 
 
+def run_sglang_tool(tool: str, tag: str, *args) -> tuple[int, list[dict]]:
+    """workflows.tools.<tool> in its own process with the SGLang CPU shim: (exit status,
+    the JSON reports it printed on lines starting with `tag`)."""
+    from workflows.core.sglang import with_shim
+
+    env = {**with_shim(dict(os.environ)), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", f"workflows.tools.{tool}", *map(str, args)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(tag + " ")]
+    assert lines, proc.stderr[-3000:]
+    return proc.returncode, [json.loads(line.split(" ", 1)[1]) for line in lines]
+
+
 @pytest.mark.slow
 def test_sglang_loads_the_export_with_its_own_class(tmp_path, tiny_target):
     """SGLang's LlamaForCausalLMEagle3 built on CPU; every parameter checked after load_weights
@@ -123,22 +142,9 @@ def test_sglang_loads_the_export_with_its_own_class(tmp_path, tiny_target):
         )
         for i, (norms, _) in enumerate(cases)
     ]
-    from workflows.core.sglang import with_shim
-
-    env = {**with_shim(dict(os.environ)), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "workflows.tools.sglang_load_check", *map(str, outs)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("SGLANG_LOAD_CHECK ")]
-    assert len(lines) == len(cases), proc.stderr[-3000:]
-    assert proc.returncode == 0, lines
-    for line, (norms, params) in zip(lines, cases):
-        report = json.loads(line.split(" ", 1)[1])
+    returncode, reports = run_sglang_tool("sglang_load_check", "SGLANG_LOAD_CHECK", *outs)
+    assert len(reports) == len(cases) and returncode == 0, reports
+    for report, (norms, params) in zip(reports, cases):
         assert report["ok"], report
         assert "model.layers.0.self_attn.qkv_proj.weight" in report["checked"]
         assert "model.layers.0.mlp.gate_up_proj.weight" in report["checked"] and "model.fc.weight" in report["checked"]
@@ -214,13 +220,10 @@ def test_the_export_stage_redoes_itself_when_vllm_export_becomes_possible_and_le
     assert json.loads((layout.vllm_export / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
 
 
-def test_a_block_draft_exports_for_vllm_and_the_doctor_reads_it(tmp_path, tiny_target):
-    """The DFlash export: vLLM's config (its ids in the project's numbering), the weights
-    without the shared embeddings, the trained mask embedding beside them; the doctor agrees
-    with the draft, and names a shifted id, a lost mask embedding and a mismatched one."""
-    from eagle3.dflash.export import ARCHITECTURE
+def make_dflash_dir(folder: Path):
+    """A saved tiny block draft (6-layer target, ids [1, 2, 3], block 4, mask id 96, a
+    40-token draft vocabulary: every 2nd target id); returns the draft."""
     from tests.test_dflash import tiny_dflash
-    from workflows.export import export_dflash
 
     draft = tiny_dflash(draft_vocab_size=40, dtype=torch.float32)
     chosen = torch.arange(40) * 2
@@ -228,7 +231,18 @@ def test_a_block_draft_exports_for_vllm_and_the_doctor_reads_it(tmp_path, tiny_t
     t2d[chosen] = True
     draft.set_vocab_mapping(chosen - torch.arange(40), t2d)
     prov = {"capture_layer_ids": [1, 2, 3], "layer_id_convention": "output_of_layer", "hidden_size": 24}
-    save_draft(tmp_path / "draft", draft, prov)
+    save_draft(folder, draft, prov)
+    return draft
+
+
+def test_a_block_draft_exports_for_vllm_and_the_doctor_reads_it(tmp_path, tiny_target):
+    """The DFlash export: vLLM's config (its ids in the project's numbering), the weights
+    without the shared embeddings, the trained mask embedding beside them; the doctor agrees
+    with the draft, and names a shifted id, a lost mask embedding and a mismatched one."""
+    from eagle3.dflash.export import ARCHITECTURE
+    from workflows.export import export_dflash
+
+    draft = make_dflash_dir(tmp_path / "draft")
     out = export_dflash(tmp_path / "draft", tmp_path / "vllm", "float32")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == [ARCHITECTURE] and cfg["model_type"] == "qwen3"
@@ -251,3 +265,40 @@ def test_a_block_draft_exports_for_vllm_and_the_doctor_reads_it(tmp_path, tiny_t
     eagle = export_sglang(make_draft_dir(tmp_path / "e3", tiny_target), tmp_path / "sglang")
     errors = doctor.check([doctor.side_from_draft(tmp_path / "draft"), doctor.side_from_sglang_export(eagle)])
     assert any(e.startswith("draft_family:") for e in errors), errors
+
+
+@pytest.mark.slow
+def test_sglang_dflash_reads_the_block_export_but_drafts_through_the_targets_head(tmp_path):
+    """SGLang's --speculative-algorithm DFLASH on the export vLLM reads, through SGLang's own
+    code on CPU (workflows.tools.sglang_dflash_check): the config means what we mean (ids in
+    our numbering, captured before layer i + 1; block 4 = anchor + 3 mask slots; mask id 96),
+    every parameter of its DFlashDraftModel holds our values after its load_weights, and
+    mask_embedding.pt replaces exactly the mask row of the target's table. What it cannot
+    take: the draft's own lm_head and d2t (SGLang drafts through the target's lm_head), so
+    SGLang would serve a different draft than the one trained. Ids shifted in the export
+    are read shifted."""
+    from workflows.export import export_dflash
+
+    make_dflash_dir(tmp_path / "draft")
+    outs = [
+        export_dflash(tmp_path / "draft", tmp_path / "vllm", "float32"),
+        export_dflash(tmp_path / "draft", tmp_path / "shifted", "float32", target_layer_ids=[2, 3, 4]),
+    ]
+    returncode, reports = run_sglang_tool("sglang_dflash_check", "SGLANG_DFLASH_CHECK", 6, *outs)
+    assert len(reports) == 2 and returncode == 1, reports  # 1: the head SGLang drops
+    report, shifted = reports
+    assert report["config"] == {
+        "block_size": 4,
+        "mask_token_id": 96,
+        "mask_token": "<|MASK|>",
+        "target_layer_ids": [1, 2, 3],
+        "captured_before_layers": [2, 3, 4],
+    }, report
+    assert report["problems"] == ["tensors SGLang never loaded: ['d2t', 'lm_head.weight']"], report
+    assert len(report["checked"]) == 2 * 8 + 3 and {"fc.weight", "hidden_norm.weight", "norm.weight"} <= set(
+        report["checked"]
+    )
+    assert "layers.1.self_attn.qkv_proj.weight" in report["checked"] and "lm_head.weight" not in report["checked"]
+    assert report["mask"] == {"resolved_mask_token_id": 96, "rows_changed": [96]}, report
+    shifted = shifted["config"]
+    assert shifted["target_layer_ids"] == [2, 3, 4] and shifted["captured_before_layers"] == [3, 4, 5], shifted

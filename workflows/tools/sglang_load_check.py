@@ -62,16 +62,15 @@ def our_names(sglang_name: str) -> list[str]:
     return [name]
 
 
-def check(export_dir: Path) -> dict:
-    config = json.loads((export_dir / EXPORT_CONFIG).read_text())
-    ours = load_file(str(export_dir / EXPORT_WEIGHTS))
-    model = build_sglang_draft(config)
-    model.load_weights(iter(ours.items()))
-    problems, checked, not_ours, used = [], [], [], {"d2t", "t2d"}
+def compare(model, ours: dict[str, torch.Tensor], names_of) -> tuple[list[str], list[str], list[str], set[str]]:
+    """Every parameter of SGLang's `model` (after its load_weights) against our tensors behind
+    it (`names_of`: SGLang name -> ours): (problems, parameters checked, parameters without
+    tensors of ours, our tensors used)."""
+    problems, checked, not_ours, used = [], [], [], set()
     for name, param in model.named_parameters():
-        names = our_names(name)
+        names = names_of(name)
         if not all(n in ours for n in names):
-            not_ours.append(name)  # e.g. embed_tokens: SGLang takes the target's
+            not_ours.append(name)
             continue
         want = torch.cat([ours[n] for n in names], dim=0)
         if tuple(want.shape) != tuple(param.shape):
@@ -81,6 +80,17 @@ def check(export_dir: Path) -> dict:
         else:
             checked.append(name)
             used.update(names)
+    return problems, checked, not_ours, used
+
+
+def check(export_dir: Path) -> dict:
+    config = json.loads((export_dir / EXPORT_CONFIG).read_text())
+    ours = load_file(str(export_dir / EXPORT_WEIGHTS))
+    model = build_sglang_draft(config)
+    model.load_weights(iter(ours.items()))
+    # not_ours, e.g. embed_tokens: SGLang takes the target's.
+    problems, checked, not_ours, used = compare(model, ours, our_names)
+    used |= {"d2t", "t2d"}
     if model.hot_token_id is None or not torch.equal(model.hot_token_id.long(), target_ids_of(ours["d2t"])):
         problems.append("hot_token_id (SGLang's draft->target map from d2t) differs from arange + d2t")
     expected_fc_in = len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) * config.get(
