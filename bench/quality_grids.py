@@ -124,4 +124,6 @@ GRIDS["drafters"] = [
     # where EAGLE-3's TTT scores 7 at every row; at equal data the block draft sees fewer labels.
     ("dflash anchors=256", ["draft=dflash", "draft.dflash.num_anchors=256"]),
     ("dflash lr=3e-3", ["draft=dflash", "train.optim.lr=3e-3"]),
+    # DFlash's own recipe shares the target's head, frozen: fewer weights to fit at small data.
+    ("dflash head=target", ["draft=dflash", "draft.dflash.head=target"]),
 ]

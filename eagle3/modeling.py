@@ -185,6 +185,24 @@ class TargetWiredDraft(nn.Module):
         """The target id of every draft id (on the buffers' device)."""
         return target_ids_of(self.d2t)
 
+    def init_head_from_target(self, lm_head_weight: torch.Tensor, final_norm_weight: torch.Tensor) -> None:
+        """Start `lm_head` and `norm` where the target's own head is: its lm_head rows for the
+        draft vocabulary (call after `set_vocab_mapping`) and its final norm. The draft then
+        begins in the space the target reads its next token from, instead of learning that
+        space from a random projection. Needs the draft as wide as the target. Every family
+        has `cfg`, `lm_head` and `norm`: the draft's head is `lm_head(norm(h))`."""
+        want = (self.cfg.vocab_size, self.cfg.hidden_size)
+        if tuple(lm_head_weight.shape) != want or tuple(final_norm_weight.shape) != (self.cfg.hidden_size,):
+            raise ValueError(
+                f"draft.init_head=target needs the target's lm_head [vocab_size, hidden_size] = {list(want)} and "
+                f"final norm [{self.cfg.hidden_size}], got {list(lm_head_weight.shape)} and "
+                f"{list(final_norm_weight.shape)}: the draft's hidden_size must equal the target's"
+            )
+        with torch.no_grad():
+            rows = self.target_ids().to(lm_head_weight.device)
+            self.lm_head.weight.copy_(lm_head_weight[rows].to(self.lm_head.weight))
+            self.norm.weight.copy_(final_norm_weight.to(self.norm.weight))
+
 
 class Eagle3Draft(TargetWiredDraft):
     family = "eagle3"  # its record in eagle3.families
@@ -206,23 +224,6 @@ class Eagle3Draft(TargetWiredDraft):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
 
     # --- wiring -----------------------------------------------------------------------
-    def init_head_from_target(self, lm_head_weight: torch.Tensor, final_norm_weight: torch.Tensor) -> None:
-        """Start `lm_head` and `norm` where the target's own head is: its lm_head rows for the
-        draft vocabulary (call after `set_vocab_mapping`) and its final norm. The draft then
-        begins in the space the target reads its next token from, instead of learning that
-        space from a random projection. Needs the draft as wide as the target."""
-        want = (self.cfg.vocab_size, self.cfg.hidden_size)
-        if tuple(lm_head_weight.shape) != want or tuple(final_norm_weight.shape) != (self.cfg.hidden_size,):
-            raise ValueError(
-                f"draft.init_head=target needs the target's lm_head [vocab_size, hidden_size] = {list(want)} and "
-                f"final norm [{self.cfg.hidden_size}], got {list(lm_head_weight.shape)} and "
-                f"{list(final_norm_weight.shape)}: the draft's hidden_size must equal the target's"
-            )
-        with torch.no_grad():
-            rows = self.target_ids().to(lm_head_weight.device)
-            self.lm_head.weight.copy_(lm_head_weight[rows].to(self.lm_head.weight))
-            self.norm.weight.copy_(final_norm_weight.to(self.norm.weight))
-
     def configure_training(self, recompute_mlp: bool, dropout: tuple[float, torch.Generator | None] | None) -> None:
         """What the training step sets on the layer: MLP recomputation and residual dropout."""
         self.midlayer.recompute_mlp, self.midlayer.dropout = recompute_mlp, dropout

@@ -392,3 +392,38 @@ def test_build_draft_starts_the_head_from_the_tiny_targets_checkpoint(tiny_targe
     )  # the default: torch's random start
     assert not torch.equal(plain.lm_head.weight, draft.lm_head.weight)
     assert torch.equal(plain.norm.weight, torch.ones_like(plain.norm.weight))
+
+
+def test_a_block_draft_with_the_targets_head_keeps_it_frozen(tiny_target):
+    """draft.dflash.head=target: the block draft's lm_head is the target's rows of its draft
+    ids and takes no gradient (nor an optimizer slot); its final norm starts at the target's
+    and trains. The default block draft trains its own head from a random start."""
+    from safetensors.torch import load_file
+
+    from eagle3.training import make_optimizer
+    from eagle3.vocab import build_draft_vocab
+    from workflows.core.config import compose
+    from workflows.train.trainer import build_draft
+
+    common = ["target=tiny", f"cache_dir={tiny_target.parent.parent}", "draft=dflash", "draft.draft_vocab_size=64"]
+    counts = torch.arange(1024, 0, -1)[torch.randperm(1024, generator=torch.Generator().manual_seed(0))]
+    vocab = build_draft_vocab(counts, 64, warn=lambda *_: None)
+    cfg = compose([*common, "draft.dflash.head=target"])
+    draft = build_draft(cfg.draft, cfg.target, str(tiny_target), vocab, seed=cfg.seed)
+    weights = {}
+    for f in sorted(tiny_target.glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).float()
+    assert torch.equal(draft.lm_head.weight, head[draft.target_ids()])
+    assert torch.equal(draft.norm.weight, weights["model.norm.weight"].float())
+    assert not draft.lm_head.weight.requires_grad and draft.norm.weight.requires_grad
+    optimised = {id(p) for group in make_optimizer(draft, cfg.train.optim).param_groups for p in group["params"]}
+    assert id(draft.lm_head.weight) not in optimised and id(draft.norm.weight) in optimised
+    draft.logits(torch.randn(2, 3, draft.cfg.hidden_size)).logsumexp(-1).sum().backward()
+    assert draft.lm_head.weight.grad is None and draft.norm.weight.grad.abs().sum() > 0
+
+    plain_cfg = compose(common)
+    plain = build_draft(plain_cfg.draft, plain_cfg.target, str(tiny_target), vocab, seed=plain_cfg.seed)
+    assert plain.lm_head.weight.requires_grad and not torch.equal(plain.lm_head.weight, draft.lm_head.weight)
+    with pytest.raises(ConfigError, match=r"draft.dflash.head='tied' is not one of \['trained', 'target'\]"):
+        compose([*common, "draft.dflash.head=tied"])

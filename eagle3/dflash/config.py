@@ -4,6 +4,7 @@ states from k layers, drafting a block of tokens in one forward."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from eagle3.draft_config import validate_attention_shape
 from eagle3.layer_ids import validate_capture_ids
@@ -142,6 +143,10 @@ class DFlashSettings:
     # slots there; the draft's own trained embedding replaces that row when served). null:
     # the highest id outside the draft vocabulary (a token the draft never proposes).
     mask_token_id: int | None = None
+    # The draft's head: "trained" (its own lm_head over the draft vocabulary, from a random
+    # start) or "target" (the target's lm_head rows for the draft vocabulary, frozen, as
+    # DFlash shares the target's head; the final norm starts at the target's and trains).
+    head: Literal["trained", "target"] = "trained"
 
     def validate(self, where: str = "dflash") -> None:
         check_ranges(

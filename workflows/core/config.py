@@ -48,7 +48,7 @@ class DraftSection:
     norm_before_fc: bool = False  # one RMSNorm over their concatenation (input_norm.weight); not both
     # Where lm_head and the final norm start: "random" (torch's default initialisation, as
     # SpecForge 0.2.0) or "target" (the target's head rows for the draft vocabulary and its
-    # final norm; eagle3.modeling.Eagle3Draft.init_head_from_target).
+    # final norm; eagle3.modeling.TargetWiredDraft.init_head_from_target).
     init_head: Literal["random", "target"] = "random"
     # RoPE base of the draft's attention (null: the target's). The draft attends over a
     # short recent window; a smaller base rotates its position dims faster there. Served
@@ -75,6 +75,13 @@ class DraftSection:
                 f"{where}.fc_norm and {where}.norm_before_fc are both set: SGLang would serve the "
                 "pair but vLLM's speculators refuses it; choose one"
             )
+
+    def head_from_target(self) -> tuple[bool, bool]:
+        """(start lm_head and the final norm at the target's head, keep lm_head frozen there):
+        `init_head=target` (EAGLE-3) starts there and trains; a block draft's `dflash.head=target`
+        also freezes the head, as DFlash shares the target's."""
+        frozen = self.family == "dflash" and self.dflash.head == "target"
+        return self.init_head == "target" or frozen, frozen
 
     def build(self, target: TargetSpec, vocab) -> DraftConfig | DFlashConfig:
         """The draft's architecture for `target` and the vocab stage's map (`d2t`, `t2d`)."""

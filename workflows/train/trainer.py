@@ -80,8 +80,12 @@ def build_draft(
     draft = build_model(section.build(target, vocab))
     draft.load_target_embeddings(read_embeddings(Path(target_path)).float())
     draft.set_vocab_mapping(vocab.d2t, vocab.t2d)
-    if section.init_head == "target":
+    from_target, frozen = section.head_from_target()
+    if from_target:
         draft.init_head_from_target(*read_head_and_norm(Path(target_path)))
+    # A frozen head leaves the optimizer (it takes the parameters that require a gradient), the
+    # weight average and the gradients; it is saved with the weights all the same.
+    draft.lm_head.weight.requires_grad_(not frozen)
     if init_from:
         load_draft_weights(Path(init_from), draft)
     return draft
