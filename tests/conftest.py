@@ -10,9 +10,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 
 
-@pytest.fixture(scope="session")
-def tiny_target(tmp_path_factory):
-    """The `tiny` preset, prepared once per test session (a ~15 s build)."""
+def _prepared(preset: str, tmp_path_factory):
+    """The target preset conf/target/<preset>.yaml, prepared under the test cache."""
     from pathlib import Path
 
     import yaml
@@ -21,16 +20,29 @@ def tiny_target(tmp_path_factory):
     from eagle3.target_spec import TargetSpec
     from workflows.core.targets import prepare_target
 
-    conf = Path(__file__).resolve().parents[1] / "conf" / "target" / "tiny.yaml"
+    conf = Path(__file__).resolve().parents[1] / "conf" / "target" / f"{preset}.yaml"
     spec = from_dict(TargetSpec, yaml.safe_load(conf.read_text()), "target")
-    # <cache>/targets/tiny, the layout workflows.full uses for cache_dir=<cache>.
-    # EAGLE3_TEST_CACHE reuses a prepared tiny target across sessions (local iteration only).
+    # <cache>/targets/<name>, the layout workflows.full uses for cache_dir=<cache>.
+    # EAGLE3_TEST_CACHE reuses a prepared target across sessions (local iteration only).
     cache = (
         Path(os.environ["EAGLE3_TEST_CACHE"])
         if os.environ.get("EAGLE3_TEST_CACHE")
         else tmp_path_factory.mktemp("cache")
     )
     return prepare_target(spec, cache / "targets", log=lambda _m: None)
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory):
+    """The `tiny` preset, prepared once per test session (a ~15 s build)."""
+    return _prepared("tiny", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_kimi_target(tmp_path_factory):
+    """The `tiny_kimi` preset (a DeepseekV3 MoE with MLA in the kimi_k25 wrapper's layout),
+    prepared once per test session (a build of about a minute on 2 cores)."""
+    return _prepared("tiny_kimi", tmp_path_factory)
 
 
 @pytest.fixture

@@ -8,6 +8,8 @@ a provenance marker:
   dequantized once and saved as a bf16 safetensors checkpoint (no network needed).
 * `tiny_trained`: a tiny seeded Llama, trained briefly on the bundled corpus, plus a byte-level BPE tokenizer trained
   offline on `data/tiny_tokenizer_corpus.txt` (fast tests).
+* `tiny_kimi_trained`: the same for Kimi-K2.5's shape: a small DeepseekV3 (MLA, MoE) in the
+  `kimi_k25` wrapper's layout, with a Kimi-style chat template.
 * `hf`: an existing local checkpoint, used in place.
 
 Built folders are written to a temporary sibling, finished with `PREPARED.json` (written
@@ -31,9 +33,13 @@ from workflows.core.markers import exclusive_lock, replace_dir, write_json_atomi
 from workflows.core.provenance import PREPARED, read_hf_config, read_prepared, sha256_file
 from workflows.core.target_builders import (
     TINY_CORPUS,
+    TINY_KIMI_PRETRAIN,
+    TINY_KIMI_TEXT,
+    TINY_KIMI_VISION,
     TINY_PRETRAIN,
     build_smollm2,
     build_tiny,
+    build_tiny_kimi,
     smollm2_gguf_path,
     torch_dtype,
 )
@@ -47,23 +53,26 @@ Log = Callable[[str], Any]
 # Spec fields that determine what a builder writes; a cached folder is reused only if its
 # marker recorded the same values. (For smollm2_gguf the architecture comes from the file,
 # and the preset is only checked against it.)
-_BUILD_FIELDS = {
-    "smollm2_gguf": ("dtype",),
-    "tiny_trained": (
-        "model_type",
-        "num_layers",
-        "hidden_size",
-        "vocab_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "intermediate_size",
-        "head_dim",
-        "rms_norm_eps",
-        "rope_theta",
-        "max_position_embeddings",
-        "seed",
-        "dtype",
-    ),
+_TINY_FIELDS = (
+    "model_type",
+    "num_layers",
+    "hidden_size",
+    "vocab_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "max_position_embeddings",
+    "seed",
+    "dtype",
+)
+_BUILD_FIELDS = {"smollm2_gguf": ("dtype",), "tiny_trained": _TINY_FIELDS, "tiny_kimi_trained": _TINY_FIELDS}
+# What else a built folder depends on, beyond the preset's fields: the builder's constants.
+_BUILD_CONSTANTS = {
+    "tiny_trained": {"pretrain": TINY_PRETRAIN},
+    "tiny_kimi_trained": {"pretrain": TINY_KIMI_PRETRAIN, "text": TINY_KIMI_TEXT, "vision": TINY_KIMI_VISION},
 }
 
 
@@ -111,10 +120,67 @@ def load_target(
     # Remote code runs only when the preset asks for it by name (target.trust_remote_code).
     extra = {"trust_remote_code": True} if trust_remote_code else {}
     tokenizer = AutoTokenizer.from_pretrained(str(path), **extra)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype), **extra)
+    wrapped = _wrapped_language_model(path, extra)
+    if wrapped is None:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype), **extra)
+    else:
+        model = _load_language_model(path, *wrapped, dtype, extra)
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+# The prefix a multimodal wrapper puts on its language model's tensors (Kimi-K2.5's
+# `language_model.model.layers.*`, `language_model.lm_head.weight`).
+LANGUAGE_MODEL_PREFIX = "language_model."
+
+
+def _wrapped_language_model(path: str | Path, extra: dict) -> tuple[Any, set[str]] | None:
+    """(the text config, the checkpoint's tensor names) for a multimodal wrapper whose
+    language model transformers cannot load as a causal LM by itself (kimi_k25: its class
+    is an image-text-to-text model); None for a checkpoint AutoModelForCausalLM loads."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from workflows.core.target_weights import tensor_files
+
+    config = AutoConfig.from_pretrained(str(path), **extra)
+    text = config.get_text_config()
+    if text is config or type(config) in MODEL_FOR_CAUSAL_LM_MAPPING or extra.get("trust_remote_code"):
+        return None  # plain, a wrapper transformers loads itself, or one whose own code does
+    names = set(tensor_files(Path(path)))
+    if not any(n.startswith(LANGUAGE_MODEL_PREFIX) for n in names):
+        raise ConfigError(
+            f"{path}: a {config.model_type} wrapper whose language model transformers cannot load as a causal "
+            f"LM, and no tensor of it is under '{LANGUAGE_MODEL_PREFIX}'; set target.trust_remote_code=true "
+            "if the checkpoint ships its own model code"
+        )
+    return text, names
+
+
+def _load_language_model(path: str | Path, text: Any, names: set[str], dtype, extra: dict) -> Any:
+    """The wrapper's language model alone, from its tensors under `language_model.` (the
+    vision tower and projector are never read: every stage is text only). Refuses a
+    checkpoint that lacks one of the language model's tensors, which transformers would
+    otherwise initialise at random with a warning."""
+    from transformers import AutoModelForCausalLM
+
+    escaped = LANGUAGE_MODEL_PREFIX.replace(".", r"\.")
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(path),
+        config=text,
+        dtype=torch_dtype(dtype),
+        key_mapping={f"^{escaped}": ""},
+        output_loading_info=True,
+        **extra,
+    )
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        raise ConfigError(
+            f"{path}: the {text.model_type} language model inside the wrapper lacks {len(missing)} tensors "
+            f"(e.g. {missing[0]!r} under '{LANGUAGE_MODEL_PREFIX}'); the checkpoint is incomplete"
+        )
+    return model
 
 
 # ------------------------------------------------------------------- reuse and atomic build
@@ -134,7 +200,7 @@ def _build_key(spec: TargetSpec, source_file: Path) -> dict:
         "builder_version": BUILDER_VERSION,
         "source": spec.source,
         "build_spec": {name: getattr(spec, name) for name in _BUILD_FIELDS[spec.source]},
-        **({"pretrain": dict(TINY_PRETRAIN)} if spec.source == "tiny_trained" else {}),
+        **{k: dict(v) for k, v in _BUILD_CONSTANTS.get(spec.source, {}).items()},
         # Hashing the ~100 MB GGUF takes well under a second, and catches a changed wheel.
         "source_sha256": sha256_file(source_file),
     }
@@ -249,6 +315,7 @@ def _check_more_fields(spec: TargetSpec, config: Mapping, text: Mapping, folder:
 _BUILDERS: dict[str, Callable[[TargetSpec, Path, Log], None]] = {
     "smollm2_gguf": build_smollm2,
     "tiny_trained": build_tiny,
+    "tiny_kimi_trained": build_tiny_kimi,
 }
 
 
