@@ -110,3 +110,44 @@ def test_sglang_refuses_the_last_layers_output_where_the_tail_cannot_run(tiny_ta
     with pytest.raises(ConfigError, match="capture.final_state=tail: .*a quantized checkpoint"):
         make_engine("sglang", EngineSpec(str(quantized), capture_ids=[1, 3, 4], final_state="tail")).states([[1, 2]])
     assert engine._proc is None  # the worker exited at EOF
+
+
+# Chat prompts in the target's own template, the way generate and capture see them.
+KIMI_PROMPTS = [
+    "Tell me about the harbour in the morning.",
+    "What did the baker carry to the market?",
+    "Describe the old stone pier.",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+def test_sglang_generates_and_captures_the_mla_target_as_hf_does(tiny_kimi_target):
+    """The Kimi-shaped target (DeepseekV3: MLA attention, MoE, in the kimi_k25 wrapper) on
+    SGLang's CPU engine: greedy tokens equal HF's, and the captured states (a dense layer's,
+    MoE layers', the normed final state) equal HF's within float32 rounding. Without the
+    shim's MLA stand-in (workflows/sglang_cpu_shim/sglang_cpu_mla) torch_native prefills read
+    the latent KV pool as plain keys and values: on this target's head sizes the first
+    prefill fails (batch2 [4, 128] against the latent's [4, 576]); where they line up, the
+    tokens differ from HF's without an error."""
+    pytest.importorskip("sglang")
+    from eagle3.chat_template import generation_prompt_ids
+    from workflows.core.engine_spec import EngineSpec
+    from workflows.core.engines import make_engine
+
+    spec = EngineSpec(str(tiny_kimi_target), dtype="float32", capture_ids=[1, 3, 4])
+    hf = make_engine("hf", spec)
+    prompts = [generation_prompt_ids(hf.tokenizer, [{"role": "user", "content": p}]) for p in KIMI_PROMPTS]
+    want = hf.generate(prompts, max_new_tokens=24)
+    # The target's answers are text, not one token repeated: a wrong attention shows.
+    assert all(len(set(ids)) >= 5 for ids, _ in want), [hf.tokenizer.decode(ids) for ids, _ in want]
+    sglang = make_engine("sglang", spec)
+    assert sglang.generate(prompts, max_new_tokens=24) == want
+    seqs = [p + ids for p, (ids, _) in zip(prompts, want)]
+    for (sa, sf), (ha, hf_) in zip(sglang.states(seqs), hf.states(seqs)):
+        assert sa.shape == ha.shape == (len(sa), 3 * 256) and sf.shape == hf_.shape == (len(sa), 256)
+        # The residual stream holds a few massive activations (~1e3): float32 rounding of
+        # those, summed in another order, is ~1e-3; a wrong attention is off by O(1) everywhere.
+        torch.testing.assert_close(sa, ha, atol=5e-6 * float(ha.abs().max()), rtol=0)
+        torch.testing.assert_close(sf, hf_, atol=5e-5, rtol=0)
+    sglang.close()

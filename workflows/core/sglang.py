@@ -62,6 +62,10 @@ def engine_kwargs(spec: EngineSpec, **extra) -> dict:
         "skip_server_warmup": True,
         "random_seed": spec.seed,
         "trust_remote_code": spec.trust_remote_code,
+        # The pipeline feeds text only. A multimodal wrapper (kimi_k25) would otherwise load
+        # its image processor, which a text-only checkpoint lacks; for a text model the
+        # setting does nothing.
+        "enable_multimodal": False,
         **extra,
     }
     if spec.max_total_tokens is not None:
