@@ -26,6 +26,9 @@ def engine_kwargs(job: dict, draft: bool = True) -> dict:
         "log_level": "warning",
         "skip_server_warmup": True,
         "disable_radix_cache": True,  # every prompt verified from its first token
+        # Token ids in, token ids out: a multimodal wrapper (kimi_k25) would otherwise load an
+        # image processor the checkpoint need not have; no effect on a text model.
+        "enable_multimodal": False,
         "context_length": longest + job["num_draft_tokens"] + 8,
     }
     if draft:
