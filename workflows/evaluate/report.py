@@ -175,7 +175,7 @@ def markdown(r: dict, plots: list[str]) -> str:
             if "without_draft" in c:
                 w = c["without_draft"]
                 lines.append(
-                    f"| served by {c['engine']}: tokens/s with the draft / without / speed-up (batch 1) | "
+                    f"| served by {c['engine']}: tokens/s with the draft / without / speed-up | "
                     f"{c['tokens_per_s']:.1f} / {w['tokens_per_s']:.1f} / {w['speedup']:.2f} |"
                 )
             if c.get("sampled", {}).get("verify") == "argmax":

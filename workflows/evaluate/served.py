@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle3.families import family_named
+from eagle3.metrics import ratio_interval
 from workflows.core.config import FullConfig
 from workflows.core.errors import MissingArtefact, ServingError
 from workflows.core.layout import RunLayout
@@ -22,6 +23,35 @@ NOT_SERVED = {
         "CPU and GPU"
     ),
 }
+
+
+def serve_job(
+    cfg: FullConfig, engine: str, draft: Path, report: dict, rows: list[dict], eos: list[int], dtype: str, device: str
+) -> ServeJob:
+    """`engine` serving the export at `draft` with the report's drafting on the held-out
+    `rows`' prompts and budgets, as the evaluate stage's settings ask."""
+    e = cfg.evaluate
+    return ServeJob(
+        engine=engine,
+        target_path=str(report["target"]),
+        draft_path=str(draft),
+        method=family_named(cfg.draft.family).served_methods[engine],
+        num_steps=report["num_steps"],
+        topk=report["topk"],
+        num_draft_tokens=report["num_draft_tokens"],
+        prompts=[r["input_ids"][: r["loss_mask"].index(1)] for r in rows],
+        max_new_tokens=[len(r["loss_mask"]) - r["loss_mask"].index(1) for r in rows],
+        eos=eos,
+        dtype=dtype,
+        device=device,
+        tp_size=cfg.target.tp_size,
+        seed=cfg.seed,
+        trust_remote_code=cfg.target.trust_remote_code,
+        timeout_s=e.served_timeout_s,
+        sampled_temperature=e.temperature,
+        sampled_seeds=list(e.seeds) if e.temperature > 0 else [],
+        baseline=e.served_speed,
+    )
 
 
 def served_checks(
@@ -54,6 +84,16 @@ def served_checks(
             "sglang_draft_attention.acceptance_decoded_sglang_definition",
             report["sglang_draft_attention"]["acceptance_decoded_sglang_definition"],
         )
+    # The standard error of each prediction over the prompts (the served check's range where
+    # half-precision near-ties send answers off greedy decoding); none for the tree's SGLang
+    # prediction, whose per-prompt counts the report does not keep.
+    rows_decoded = report["per_prompt_decoded"]
+    spread = {
+        "sglang": ratio_interval([(r["tokens"], r["passes"]) for r in rows_decoded])[1],
+        "vllm": ratio_interval([(r["accepted_uncut"] + r["passes"], r["passes"]) for r in rows_decoded])[1],
+    }
+    if predicted["sglang"][0] != "acceptance_decoded_sglang_definition":
+        spread["sglang"] = None
     family = family_named(cfg.draft.family)
     have, checks = available_engines(e.vllm_python, device), {}
     for engine in ENGINES if e.served == "auto" else (e.served,):
@@ -79,27 +119,7 @@ def served_checks(
             log(f"evaluate: not served by {engine}: {why}")
             checks[engine] = {"skipped": why}
             continue
-        job = ServeJob(
-            engine=engine,
-            target_path=str(target_path),
-            draft_path=str(folders[engine]),
-            method=family.served_methods[engine],
-            num_steps=report["num_steps"],
-            topk=report["topk"],
-            num_draft_tokens=report["num_draft_tokens"],
-            prompts=[r["input_ids"][: r["loss_mask"].index(1)] for r in rows],
-            max_new_tokens=[len(r["loss_mask"]) - r["loss_mask"].index(1) for r in rows],
-            eos=eos,
-            dtype=dtype,
-            device=device,
-            tp_size=cfg.target.tp_size,
-            seed=cfg.seed,
-            trust_remote_code=cfg.target.trust_remote_code,
-            timeout_s=e.served_timeout_s,
-            sampled_temperature=e.temperature,
-            sampled_seeds=list(e.seeds) if e.temperature > 0 else [],
-            baseline=e.served_speed,
-        )
+        job = serve_job(cfg, engine, Path(folders[engine]), report, rows, eos, dtype, device)
         sampled = report.get("at_temperature", {}).get("decoded", {}).get(engine)
         try:
             checks[engine] = served_check(
@@ -111,6 +131,7 @@ def served_checks(
                 e.vllm_python,
                 log=log,
                 sampled_prediction=sampled,
+                spread=spread[engine],
             )
             # By draft position, in the report's measure, where the engine's counters give it (vLLM).
             per_position = served_per_position(checks[engine]["counters"])
