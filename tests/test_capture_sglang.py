@@ -5,7 +5,9 @@ The capture stage on SGLang, through Ray, is in test_capture.py."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import shutil
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -141,13 +143,26 @@ def test_sglang_generates_and_captures_the_mla_target_as_hf_does(tiny_kimi_targe
     want = hf.generate(prompts, max_new_tokens=24)
     # The target's answers are text, not one token repeated: a wrong attention shows.
     assert all(len(set(ids)) >= 5 for ids, _ in want), [hf.tokenizer.decode(ids) for ids, _ in want]
-    sglang = make_engine("sglang", spec)
-    assert sglang.generate(prompts, max_new_tokens=24) == want
     seqs = [p + ids for p, (ids, _) in zip(prompts, want)]
-    for (sa, sf), (ha, hf_) in zip(sglang.states(seqs), hf.states(seqs)):
+    # SGLang generates with an Engine in the calling process, whose scheduler kills that
+    # process when it fails or outlives it: a spawned child holds it, never pytest itself.
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        got, states = pool.submit(sglang_generate_and_capture, spec, prompts, seqs).result(timeout=900)
+    assert got == want
+    for (sa, sf), (ha, hf_) in zip(states, hf.states(seqs)):
         assert sa.shape == ha.shape == (len(sa), 3 * 256) and sf.shape == hf_.shape == (len(sa), 256)
         # The residual stream holds a few massive activations (~1e3): float32 rounding of
         # those, summed in another order, is ~1e-3; a wrong attention is off by O(1) everywhere.
         torch.testing.assert_close(sa, ha, atol=5e-6 * float(ha.abs().max()), rtol=0)
         torch.testing.assert_close(sf, hf_, atol=5e-5, rtol=0)
-    sglang.close()
+
+
+def sglang_generate_and_capture(spec, prompts, seqs):
+    """In a child process: SGLang's greedy answers to `prompts` and its states of `seqs`."""
+    from workflows.core.engines import make_engine
+
+    sglang = make_engine("sglang", spec)
+    try:
+        return sglang.generate(prompts, max_new_tokens=24), sglang.states(seqs)
+    finally:
+        sglang.close()
