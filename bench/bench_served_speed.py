@@ -8,8 +8,9 @@ with, space-separated after a colon, e.g. `"runs/sf_dflash:+experiment=specforge
 draft=dflash"`), each engine that serves the run's family (eagle3.families) serves the
 report's held-out prompts with the run's export and the report's drafting, then a second
 engine without the draft serves the same prompts (workflows.core.serving, the served check's
-`baseline`): both timed after a warm-up request, at batch 1 on this machine's cores, in the
-report's serving dtype. The plain answers are checked against greedy decoding (HF, float32),
+`baseline`): both timed after a warm-up request, batched as the served check batches
+(SGLang takes the prompts together, vLLM-CPU one at a time), in the report's dtype on its
+device. The answers are checked against greedy decoding (HF, the same dtype and device),
 and the speculative figure against the report's prediction, exactly as the evaluate stage
 does with `evaluate.served_speed=true`, without re-running the stage's reference decoder.
 
@@ -47,15 +48,25 @@ def held_out_job(run: str, overrides: list[str]) -> tuple:
     return cfg, layout, report, rows, prepare_for(cfg)
 
 
-def greedy_answers(target_path: Path, rows: list[dict]) -> tuple[list[int], list[list[int]]]:
+def greedy_answers(
+    target_path: Path, rows: list[dict], report: dict, trust_remote_code: bool
+) -> tuple[list[int], list[list[int]]]:
     """The target's stop ids (its generation config's and its tokenizer's, where the engines
-    stop too), and plain greedy decoding of each prompt in float32 (the served outputs'
-    reference), as the evaluate stage has them."""
+    stop too), and plain greedy decoding of each prompt (the served outputs' reference) on
+    the report's device and in its dtype, as the evaluate stage had them."""
     from eagle3.spec_decode import greedy_decode
     from workflows.core.engine_spec import EngineSpec
     from workflows.core.engines import HFEngine
 
-    engine = HFEngine(EngineSpec(str(target_path), dtype="float32", capture_ids=[], device="cpu"))
+    engine = HFEngine(
+        EngineSpec(
+            str(target_path),
+            dtype=report["dtype"],
+            capture_ids=[],
+            device=report["device"],
+            trust_remote_code=trust_remote_code,
+        )
+    )
     model, eos = engine.model, sorted(engine.eos)
     out = []
     for r in rows:
@@ -78,7 +89,7 @@ def main(argv=None) -> None:
         run, _, extra = spec.partition(":")
         cfg, layout, report, rows, target_path = held_out_job(run, shlex.split(extra))
         family = family_named(report.get("draft_family", "eagle3"))
-        eos, greedy = greedy_answers(target_path, rows)
+        eos, greedy = greedy_answers(target_path, rows, report, cfg.target.trust_remote_code)
         have = available_engines(cfg.evaluate.vllm_python, report["device"])
         for engine in args.engines.split(","):
             if engine not in family.served_methods or engine not in have:

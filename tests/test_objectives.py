@@ -369,27 +369,12 @@ def test_heldout_accuracy_per_sample_on_specforge_rows_matches_a_sample_by_sampl
 def test_build_draft_starts_the_head_from_the_tiny_targets_checkpoint(tiny_target):
     """draft.init_head=target through the train stage's builder, read from the prepared
     checkpoint's safetensors: the draft's rows are the target's rows of its draft ids."""
-    from safetensors.torch import load_file
-
-    from eagle3.vocab import build_draft_vocab
-    from workflows.core.config import compose
-    from workflows.train.trainer import build_draft
-
     common = ["target=tiny", f"cache_dir={tiny_target.parent.parent}", "draft.draft_vocab_size=64"]
-    counts = torch.arange(1024, 0, -1)[torch.randperm(1024, generator=torch.Generator().manual_seed(0))]
-    vocab = build_draft_vocab(counts, 64, warn=lambda *_: None)
-    cfg = compose([*common, "draft.init_head=target"])
-    draft = build_draft(cfg.draft, cfg.target, str(tiny_target), vocab, seed=cfg.seed)
-    weights = {}
-    for f in sorted(tiny_target.glob("*.safetensors")):
-        weights.update(load_file(str(f)))
-    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).float()
+    draft, _ = built_draft(tiny_target, [*common, "draft.init_head=target"])
+    head, norm = target_head_and_norm(tiny_target)
     assert torch.equal(draft.lm_head.weight, head[draft.target_ids()])
-    assert torch.equal(draft.norm.weight, weights["model.norm.weight"].float())
-    cfg = compose(common)
-    plain = build_draft(
-        cfg.draft, cfg.target, str(tiny_target), vocab, seed=cfg.seed
-    )  # the default: torch's random start
+    assert torch.equal(draft.norm.weight, norm)
+    plain, _ = built_draft(tiny_target, common)  # the default: torch's random start
     assert not torch.equal(plain.lm_head.weight, draft.lm_head.weight)
     assert torch.equal(plain.norm.weight, torch.ones_like(plain.norm.weight))
 
@@ -398,32 +383,44 @@ def test_a_block_draft_with_the_targets_head_keeps_it_frozen(tiny_target):
     """draft.dflash.head=target: the block draft's lm_head is the target's rows of its draft
     ids and takes no gradient (nor an optimizer slot); its final norm starts at the target's
     and trains. The default block draft trains its own head from a random start."""
-    from safetensors.torch import load_file
-
     from eagle3.training import make_optimizer
-    from eagle3.vocab import build_draft_vocab
     from workflows.core.config import compose
-    from workflows.train.trainer import build_draft
 
     common = ["target=tiny", f"cache_dir={tiny_target.parent.parent}", "draft=dflash", "draft.draft_vocab_size=64"]
-    counts = torch.arange(1024, 0, -1)[torch.randperm(1024, generator=torch.Generator().manual_seed(0))]
-    vocab = build_draft_vocab(counts, 64, warn=lambda *_: None)
-    cfg = compose([*common, "draft.dflash.head=target"])
-    draft = build_draft(cfg.draft, cfg.target, str(tiny_target), vocab, seed=cfg.seed)
-    weights = {}
-    for f in sorted(tiny_target.glob("*.safetensors")):
-        weights.update(load_file(str(f)))
-    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).float()
+    draft, cfg = built_draft(tiny_target, [*common, "draft.dflash.head=target"])
+    head, norm = target_head_and_norm(tiny_target)
     assert torch.equal(draft.lm_head.weight, head[draft.target_ids()])
-    assert torch.equal(draft.norm.weight, weights["model.norm.weight"].float())
+    assert torch.equal(draft.norm.weight, norm)
     assert not draft.lm_head.weight.requires_grad and draft.norm.weight.requires_grad
     optimised = {id(p) for group in make_optimizer(draft, cfg.train.optim).param_groups for p in group["params"]}
     assert id(draft.lm_head.weight) not in optimised and id(draft.norm.weight) in optimised
     draft.logits(torch.randn(2, 3, draft.cfg.hidden_size)).logsumexp(-1).sum().backward()
     assert draft.lm_head.weight.grad is None and draft.norm.weight.grad.abs().sum() > 0
 
-    plain_cfg = compose(common)
-    plain = build_draft(plain_cfg.draft, plain_cfg.target, str(tiny_target), vocab, seed=plain_cfg.seed)
+    plain, _ = built_draft(tiny_target, common)
     assert plain.lm_head.weight.requires_grad and not torch.equal(plain.lm_head.weight, draft.lm_head.weight)
     with pytest.raises(ConfigError, match=r"draft.dflash.head='tied' is not one of \['trained', 'target'\]"):
         compose([*common, "draft.dflash.head=tied"])
+
+
+def built_draft(tiny_target, overrides: list[str]):
+    """(the train stage's draft for `overrides`, their config), over a fixed 64-id vocabulary."""
+    from eagle3.vocab import build_draft_vocab
+    from workflows.core.config import compose
+    from workflows.train.trainer import build_draft
+
+    counts = torch.arange(1024, 0, -1)[torch.randperm(1024, generator=torch.Generator().manual_seed(0))]
+    vocab = build_draft_vocab(counts, 64, warn=lambda *_: None)
+    cfg = compose(overrides)
+    return build_draft(cfg.draft, cfg.target, str(tiny_target), vocab, seed=cfg.seed), cfg
+
+
+def target_head_and_norm(tiny_target) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prepared tiny target's lm_head (its embeddings where tied) and final norm, float32."""
+    from safetensors.torch import load_file
+
+    weights = {}
+    for f in sorted(tiny_target.glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).float()
+    return head, weights["model.norm.weight"].float()

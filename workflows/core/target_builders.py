@@ -388,7 +388,9 @@ TINY_KIMI_VISION = {
 # loss 3.6 after these 300 steps, ~40-60 s on one thread (measured: 150 rows of 64, 4.8;
 # lr 6e-3 and 1e-2 stall above 5).
 TINY_KIMI_PRETRAIN = {"steps": 300, "seq_len": 32, "batch_size": 8, "lr": 3e-3}
-KIMI_WRAPPER_PREFIX = "language_model."
+# The prefix a multimodal wrapper puts on its language model's tensors (Kimi-K2.5's
+# `language_model.model.layers.*`, `language_model.lm_head.weight`).
+LANGUAGE_MODEL_PREFIX = "language_model."
 
 
 def build_tiny_kimi(spec: TargetSpec, out: Path, log: Log) -> None:
@@ -442,7 +444,7 @@ def build_tiny_kimi(spec: TargetSpec, out: Path, log: Log) -> None:
     model.save_pretrained(str(plain))
     tensors = load_file(str(plain / "model.safetensors"))
     save_file(
-        {KIMI_WRAPPER_PREFIX + n: t for n, t in tensors.items()}, str(out / "model.safetensors"), {"format": "pt"}
+        {LANGUAGE_MODEL_PREFIX + n: t for n, t in tensors.items()}, str(out / "model.safetensors"), {"format": "pt"}
     )
     text = json.loads((plain / "config.json").read_text())
     # The engines read the rope as rope_scaling (and theta beside it); transformers 5 as

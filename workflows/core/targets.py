@@ -32,6 +32,7 @@ from eagle3.target_spec import TargetSpec
 from workflows.core.markers import exclusive_lock, replace_dir, write_json_atomic
 from workflows.core.provenance import PREPARED, read_hf_config, read_prepared, sha256_file
 from workflows.core.target_builders import (
+    LANGUAGE_MODEL_PREFIX,
     TINY_CORPUS,
     TINY_KIMI_PRETRAIN,
     TINY_KIMI_TEXT,
@@ -128,11 +129,6 @@ def load_target(
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
-
-
-# The prefix a multimodal wrapper puts on its language model's tensors (Kimi-K2.5's
-# `language_model.model.layers.*`, `language_model.lm_head.weight`).
-LANGUAGE_MODEL_PREFIX = "language_model."
 
 
 def _wrapped_language_model(path: str | Path, extra: dict) -> tuple[Any, set[str]] | None:
