@@ -4,6 +4,7 @@ evaluation, the reference decoder and the served check read every family alike.
     family    config (draft_config.json)   model          training pass            drafting
     eagle3    eagle3.draft_config          eagle3.modeling TTT unroll (eagle3.ttt)  chains and trees
     dflash    eagle3.dflash.config         eagle3.dflash   blocks (eagle3.dflash)   one block a pass
+    dspark    eagle3.dspark.config         eagle3.dspark   blocks + DSpark's loss   one block, token by token heads
 
 Every family scores the same rows: row t's step j is the draft's guess of x_{t+2+j} when
 the target has verified up to x_{t+1} (eagle3.ttt, eagle3.dflash.blocks). The per-step
@@ -24,6 +25,10 @@ from eagle3.dflash.config import DFlashConfig
 from eagle3.dflash.drafter import DFlashDrafter
 from eagle3.dflash.model import DFlashDraft
 from eagle3.draft_config import DraftConfig
+from eagle3.dspark.blocks import dspark_slot_scores
+from eagle3.dspark.config import DSparkConfig
+from eagle3.dspark.drafter import DSparkDrafter
+from eagle3.dspark.model import DSparkDraft
 from eagle3.modeling import Eagle3Draft
 from eagle3.objectives import ObjectiveConfig
 from eagle3.schema import ConfigError, from_dict
@@ -119,7 +124,7 @@ EAGLE3 = register(
 
 
 # ---------------------------------------------------------------------------- DFlash
-def _score_dflash(draft, probs, best, weights, batch, aux, ttt, objective, train, generator):
+def _score_dflash(draft, probs, best, weights, batch, aux, ttt, objective, train, generator, slot_scores=None):
     return score_blocks(
         draft,
         probs,
@@ -133,6 +138,7 @@ def _score_dflash(draft, probs, best, weights, batch, aux, ttt, objective, train
         generator=generator,
         chunk=None if train else EVAL_BLOCKS,
         attention=ttt.attention,
+        slot_scores=slot_scores,
     )
 
 
@@ -145,6 +151,27 @@ DFLASH = register(
         trained_steps=lambda cfg, ttt: cfg.block_size - 1,
         drafter=lambda draft, sglang_compatible: DFlashDrafter(draft),
         served_methods={"vllm": "dflash"},
+        weights_export="vllm",
+    )
+)
+
+
+# ---------------------------------------------------------------------------- DSpark
+def _score_dspark(draft, probs, best, weights, batch, aux, ttt, objective, train, generator):
+    return _score_dflash(
+        draft, probs, best, weights, batch, aux, ttt, objective, train, generator, slot_scores=dspark_slot_scores
+    )
+
+
+DSPARK = register(
+    DraftFamily(
+        name="dspark",
+        config_class=DSparkConfig,
+        model_class=DSparkDraft,
+        score=_score_dspark,
+        trained_steps=lambda cfg, ttt: cfg.block_size,
+        drafter=lambda draft, sglang_compatible: DSparkDrafter(draft),
+        served_methods={"vllm": "dspark"},
         weights_export="vllm",
     )
 )

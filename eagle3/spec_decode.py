@@ -259,6 +259,8 @@ class DecodeResult:
     # Draft tokens the target accepted, counted before the output is cut at max_new_tokens
     # or EOS: what vLLM's spec-decode counters count.
     accepted_uncut: int = 0
+    # Draft tokens sent to the target to verify (a pass's tree or chain, after any adaptive cut).
+    drafted: int = 0
 
     @property
     def acceptance_length(self) -> float:
@@ -319,6 +321,7 @@ class SpeculativeDecoder:
         while len(out) < max_new_tokens and out[-1] not in self.eos:
             tree = drafter.propose(self.num_steps, self.topk, self.num_draft_tokens)
             past, q = tgt.length, len(tree) + 1
+            res.drafted += len(tree)
             mask = torch.zeros(q, past + q, dtype=torch.bool)
             mask[:, :past] = True
             for r in range(q):

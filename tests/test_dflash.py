@@ -50,9 +50,14 @@ def tiny_dflash(seed: int = 0, block_size: int = 4, num_layers: int = 2, dtype=t
         rope_theta=10000.0,
         **over,
     )
+    return random_draft(DFlashDraft, cfg, seed, dtype)
+
+
+def random_draft(model_class, cfg, seed: int, dtype):
+    """`model_class(cfg)` with every weight random, norms near 1 (every part then matters)."""
     cfg.validate()
     torch.manual_seed(seed)
-    draft = DFlashDraft(cfg)
+    draft = model_class(cfg)
     with torch.no_grad():
         for name, p in draft.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) * 0.4)
@@ -70,7 +75,9 @@ def reference_block(draft: DFlashDraft, aux_rows, anchor_token: int, start: int)
     ctx_pos = torch.arange(start - n, start)[None]
     blk_pos = torch.arange(start, start + s)[None]
     ids = torch.tensor([anchor_token] + [c.mask_token_id] * (s - 1))
-    h = torch.stack([draft.embed_tokens.weight[anchor_token]] + [draft.mask_embedding] * (s - 1))
+    # DFlash's mask slots embed as its own mask_embedding; DSpark's as the target's mask row.
+    mask = getattr(draft, "mask_embedding", draft.embed_tokens.weight[c.mask_token_id])
+    h = torch.stack([draft.embed_tokens.weight[anchor_token]] + [mask] * (s - 1))
     assert torch.equal(draft.embed_block(ids), h) or anchor_token == c.mask_token_id
     group = c.num_attention_heads // c.num_key_value_heads
 
@@ -273,12 +280,9 @@ def test_reference_decoder_with_a_block_draft_is_greedy_decoding():
         assert res.tokens == ref and res.target_forwards >= 1
 
 
-def test_offline_walk_of_blocks_equals_decoding():
-    """A draft that has learnt the target's answers: the walk over the stored answers, block
-    by block, is exactly what the reference decoder then accepts (the same blocks over the
-    same context)."""
-    from workflows.evaluate.decoding import decode_all, offline_acceptance
-
+def greedy_answers():
+    """A tiny float32 target, six rows of its greedy answers (14 tokens after 5 prompt
+    tokens) and their captured states in two batches of three."""
     target = tiny_hf_llama(dtype=torch.float32, seed=3)
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -292,6 +296,16 @@ def test_offline_walk_of_blocks_equals_decoding():
         )
         for i in (0, 3)
     ]
+    return target, rows, batches
+
+
+def test_offline_walk_of_blocks_equals_decoding():
+    """A draft that has learnt the target's answers: the walk over the stored answers, block
+    by block, is exactly what the reference decoder then accepts (the same blocks over the
+    same context)."""
+    from workflows.evaluate.decoding import decode_all, offline_acceptance
+
+    target, rows, batches = greedy_answers()
     torch.manual_seed(6)
     draft = DFlashDraft(tiny_dflash(block_size=5).cfg)  # torch's own initialisation
     draft.load_target_embeddings(target.get_input_embeddings().weight)

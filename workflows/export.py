@@ -7,7 +7,8 @@ An EAGLE-3 draft:
                                written by speculators' own Eagle3Converter from the SGLang
                                export and re-loaded by it (validation)
 
-A DFlash block draft (eagle3.dflash.export, which says what vLLM reads):
+A DFlash block draft (eagle3.dflash.export, which says what vLLM reads; a DSpark draft the
+same, as Qwen3DSparkModel with its heads and no mask-embedding file, eagle3.dspark.export):
 
     <run_dir>/export/vllm/     config.json (DFlashDraftModel, dflash_config) + model.safetensors
                                + mask_embedding.pt
@@ -35,6 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.dflash import export as dflash_export
 from eagle3.draft_config import DraftConfig
+from eagle3.dspark import export as dspark_export
 from eagle3.families import family_named
 from eagle3.layer_ids import check_sglang_servable, to_vllm_aux_layer_ids
 from eagle3.schema import ConfigError
@@ -158,17 +160,29 @@ def export_dflash(
 ) -> Path:
     """A block draft in vLLM's DFlash layout (eagle3.dflash.export). `target_layer_ids`
     overrides the draft's ids in config.json: for tests that need a mis-wired export."""
+    return export_block_draft(draft_dir, out, dflash_export, dtype, target_layer_ids)
+
+
+def export_dspark(
+    draft_dir: Path, out: Path, dtype: str = "bfloat16", target_layer_ids: list[int] | None = None
+) -> Path:
+    """A DSpark draft in vLLM's layout (eagle3.dspark.export); `target_layer_ids` as export_dflash's."""
+    return export_block_draft(draft_dir, out, dspark_export, dtype, target_layer_ids)
+
+
+def export_block_draft(draft_dir: Path, out: Path, layout, dtype: str, target_layer_ids: list[int] | None) -> Path:
+    """A block draft's vLLM folder by its family's `layout` module (export_tensors, vllm_config,
+    and the mask embedding's file where the layout has one)."""
     import torch
 
     cfg = load_draft_config(draft_dir)
     state = load_file(str(draft_dir / DRAFT_WEIGHTS))
     torch_dtype = getattr(torch, dtype)
     with atomic_dir(out) as tmp:
-        save_file(
-            dflash_export.export_tensors(state, torch_dtype), str(tmp / EXPORT_WEIGHTS), metadata={"format": "pt"}
-        )
-        torch.save(dflash_export.mask_embedding_file(state, cfg, torch_dtype), tmp / MASK_EMBEDDING)
-        write_json_atomic(tmp / EXPORT_CONFIG, dflash_export.vllm_config(cfg, dtype, target_layer_ids))
+        save_file(layout.export_tensors(state, torch_dtype), str(tmp / EXPORT_WEIGHTS), metadata={"format": "pt"})
+        if hasattr(layout, "mask_embedding_file"):
+            torch.save(layout.mask_embedding_file(state, cfg, torch_dtype), tmp / MASK_EMBEDDING)
+        write_json_atomic(tmp / EXPORT_CONFIG, layout.vllm_config(cfg, dtype, target_layer_ids))
         write_json_atomic(tmp / PROVENANCE, load_provenance(draft_dir))
     return out
 
@@ -191,8 +205,13 @@ def write_dflash(cfg: FullConfig, layout: RunLayout, draft_dir: Path, target_pat
     return ["vllm"]
 
 
+def write_dspark(cfg: FullConfig, layout: RunLayout, draft_dir: Path, target_path: Path) -> list[str]:
+    export_dspark(draft_dir, layout.vllm_export, cfg.target.dtype)
+    return ["vllm"]
+
+
 # Family -> its exporter: writes the family's engine folders and returns their engines.
-EXPORTERS = {"eagle3": write_eagle3, "dflash": write_dflash}
+EXPORTERS = {"eagle3": write_eagle3, "dflash": write_dflash, "dspark": write_dspark}
 
 
 def run(cfg: FullConfig, target_path: Path) -> Path:

@@ -23,6 +23,7 @@ eagle3.metrics can follow decoding from any position.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -83,6 +84,19 @@ def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return x.gather(1, index)
 
 
+# (draft, hidden [B, n, L, H] of the guessing slots, prev [B, n, L] the token before each
+# guess, p [B, n, L, Vd] the target's distributions, objective) -> (logits [B, n, L, Vd] fp32,
+# loss per guess [B, n, L], acceptance per guess [B, n, L])
+SlotScores = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def dflash_slot_scores(draft, hidden, prev, p, objective: ObjectiveConfig):
+    """DFlash's guesses: the mask slots' logits, scored by the training objective."""
+    logits = upcast(draft.logits(hidden))
+    per_position, alpha = position_loss(objective.kind, torch.log_softmax(logits, dim=-1), p)
+    return logits, per_position, alpha
+
+
 def score_blocks(
     draft,
     probs: torch.Tensor,
@@ -97,6 +111,7 @@ def score_blocks(
     generator: torch.Generator | None = None,
     chunk: int | None = None,
     attention: str = "auto",
+    slot_scores: "SlotScores | None" = None,
 ) -> StepScores:
     """Loss and accuracy of the blocks anchored at the rows `weights` scores (see above).
 
@@ -104,8 +119,11 @@ def score_blocks(
     its argmax per row (eagle3.target_head); weights [B, T, L] (eagle3.ttt.step_weights for
     L = S - 1 slots): which guesses are scored. `anchors`: blocks per row drawn at random
     (training), None: one at every scored row (evaluation), `chunk` blocks at a time.
-    `attention`: "dense", "flex" or "auto" (flex on CUDA; eagle3.dflash.model.BlockVisibility)."""
+    `attention`: "dense", "flex" or "auto" (flex on CUDA; eagle3.dflash.model.BlockVisibility).
+    `slot_scores`: the family's loss per guess (DFlash's, `dflash_slot_scores`, by default);
+    the draft's `first_guess_slot` says which slot guesses step 0."""
     objective = objective or ObjectiveConfig()
+    slot_scores = slot_scores or dflash_slot_scores
     if objective.weighting != "decay" or objective.loss_block_rows:
         raise ValueError("the block draft scores its slots with the decay weighting and whole logits only")
     length = weights.shape[-1]
@@ -130,12 +148,14 @@ def score_blocks(
     hits, guesses = [], []
     for s in range(0, rows.shape[1], step):
         r, w, w_loss = rows[:, s : s + step], slot_w[:, s : s + step], reachable[:, s : s + step]
-        ids, pos = block_inputs(draft, batch["input_ids"], positions, r, length + 1)
-        hidden = draft.blocks(ids, pos, context_kv, BlockVisibility(r, segments, backend))
-        logits = upcast(draft.logits(hidden[:, :, 1:]))  # [B, n, L, Vd]: the mask slots' guesses
+        first = draft.first_guess_slot
+        ids, pos = block_inputs(draft, batch["input_ids"], positions, r, length + first)
+        hidden = draft.blocks(ids, pos, context_kv, BlockVisibility(r, segments, backend))[:, :, first:]
         labels = torch.stack([gather_rows(best, r + 1 + j) for j in range(length)], dim=-1)  # [B, n, L]
         p = torch.stack([gather_rows(probs, r + 1 + j) for j in range(length)], dim=2)  # [B, n, L, Vd]
-        per_position, alpha = position_loss(objective.kind, torch.log_softmax(logits, dim=-1), p)
+        # The token before each guess: the anchor x_{t+1}, then the text's x_{t+2}, ..
+        prev = torch.stack([gather_rows(batch["input_ids"], r + 1 + j) for j in range(length)], dim=-1)
+        logits, per_position, alpha = slot_scores(draft, hidden, prev, p, objective)
         guess = draft.draft_to_target(logits.argmax(-1))
         hit = guess == labels
         hits.append(hit)

@@ -73,8 +73,9 @@ class DFlashConfig:
                 "the mask slots through the target's embedding table at that id"
             )
         validate_capture_ids(self.capture_layer_ids, self.target_num_layers, f"{where}.capture_layer_ids")
-        if self.family != "dflash":
-            raise ConfigError(f"{where}.family={self.family!r}: a DFlashConfig is family 'dflash'")
+        family = type(self).__dataclass_fields__["family"].default  # "dflash", or a subclass's family
+        if self.family != family:
+            raise ConfigError(f"{where}.family={self.family!r}: a {type(self).__name__} is family {family!r}")
 
     @property
     def num_aux(self) -> int:
@@ -159,6 +160,11 @@ class DFlashSettings:
             loss_gamma=">0",
             mask_token_id=">=0",
         )
+
+    @property
+    def draft_tokens(self) -> int:
+        """Tokens one block drafts: its mask slots."""
+        return self.block_size - 1
 
     def layer_ids(self, target: TargetSpec, where: str = "draft.dflash.target_layer_ids") -> list[int]:
         if self.target_layer_ids:

@@ -45,18 +45,24 @@ class DFlashDrafter:
         self.anchor = tokens[-1]
 
     @torch.no_grad()
-    def propose(self, num_steps: int, topk: int, num_draft_tokens: int) -> DraftTree:
+    def block(self, slots: int, topk: int = 1) -> torch.Tensor:
+        """Pre-norm states [slots, H] of the block [anchor, mask x (slots - 1)] at positions
+        rows..rows+slots-1 over every committed row."""
         if topk != 1:
             raise ValueError(f"a block draft proposes one chain per pass (topk=1), not topk={topk}")
         d = self.draft
         device = self.keys[0].device
-        ids = torch.full((1, 1, num_steps + 1), d.cfg.mask_token_id, dtype=torch.long, device=device)
+        ids = torch.full((1, 1, slots), d.cfg.mask_token_id, dtype=torch.long, device=device)
         ids[0, 0, 0] = self.anchor
-        pos = torch.arange(self.rows, self.rows + num_steps + 1, device=device)[None, None]
+        pos = torch.arange(self.rows, self.rows + slots, device=device)[None, None]
         # Every committed row is context: the block's last verified row is row rows - 1.
         visible = BlockVisibility(
             torch.full((1, 1), self.rows - 1, device=device), torch.zeros(1, self.rows, dtype=torch.long, device=device)
         )
-        hidden = d.blocks(ids, pos, list(zip(self.keys, self.values)), visible)
-        guesses = d.draft_to_target(d.logits(hidden[0, 0, 1:]).argmax(-1)).tolist()
+        return d.blocks(ids, pos, list(zip(self.keys, self.values)), visible)[0, 0]
+
+    @torch.no_grad()
+    def propose(self, num_steps: int, topk: int, num_draft_tokens: int) -> DraftTree:
+        hidden = self.block(num_steps + 1, topk)  # the anchor's slot guesses nothing
+        guesses = self.draft.draft_to_target(self.draft.logits(hidden[1:]).argmax(-1)).tolist()
         return DraftTree(tokens=guesses, parents=list(range(-1, num_steps - 1)), depths=list(range(1, num_steps + 1)))

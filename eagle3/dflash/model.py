@@ -187,6 +187,7 @@ class DFlashLayer(ResidualBlockTraining):
 
 class DFlashDraft(TargetWiredDraft):
     family = "dflash"  # its record in eagle3.families
+    first_guess_slot = 1  # the anchor's slot guesses nothing: mask slot j + 1 guesses step j
 
     def __init__(self, cfg: DFlashConfig):
         super().__init__(cfg.vocab_size, cfg.hidden_size, cfg.draft_vocab_size)

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from eagle3.dflash.config import DFlashConfig, DFlashSettings
 from eagle3.draft_config import DraftConfig
+from eagle3.dspark.config import DSparkSettings
 from eagle3.families import family_named
 from eagle3.schema import NOT_OUTPUT, ConfigError, check_ranges, from_dict
 from eagle3.target_spec import TargetSpec
@@ -31,14 +32,16 @@ SCHEMA_NAME = "eagle3_schema"  # the structured config `conf/full.yaml` starts f
 # Overrides that never name a multirun job's folder: locations, and values that may be secret.
 UNNAMED_OVERRIDES = ("run_dir=", "cache_dir=", "shared_dir=", "capture.storage_options", "target.env")
 SHARED_OFF = "off"  # shared_dir=off: never share stage outputs, even under multirun or a sweep
+BLOCK_FAMILIES = ("dflash", "dspark")  # the families whose settings are a DFlashSettings (draft.<family>)
 
 
 @dataclass
 class DraftSection:
     # The draft's family (eagle3.families): "eagle3" (one layer, drafted token by token,
     # trained by training-time test) or "dflash" (a block draft: a few layers drafting a
-    # block of tokens in one forward; its settings in `dflash`; preset `draft=dflash`).
-    family: Literal["eagle3", "dflash"] = "eagle3"
+    # block of tokens in one forward; its settings in `dflash`; preset `draft=dflash`) or
+    # "dspark" (DFlash's block plus a Markov head and a confidence head; `dspark`; `draft=dspark`).
+    family: Literal["eagle3", "dflash", "dspark"] = "eagle3"
     # null: chosen by the vocab stage from the data (see `auto_draft_vocab_size`).
     draft_vocab_size: int | None = None
     # null: the target's intermediate size.
@@ -55,11 +58,13 @@ class DraftSection:
     # as is: SGLang and vLLM read the draft's own config.json.
     rope_theta: float | None = None
     dflash: DFlashSettings = field(default_factory=DFlashSettings)  # the block draft's (family dflash)
+    dspark: DSparkSettings = field(default_factory=DSparkSettings)  # the DSpark draft's (family dspark)
 
     def validate(self, where: str = "draft") -> None:
         check_ranges(self, where, draft_vocab_size=">=1", intermediate_size=">=1", rope_theta=">0")
         family_named(self.family, f"{where}.family")
         self.dflash.validate(f"{where}.dflash")
+        self.dspark.validate(f"{where}.dspark")
         if self.family != "eagle3":  # the EAGLE-3 layer's own options
             for name, value in (("fc_norm", self.fc_norm), ("norm_before_fc", self.norm_before_fc)):
                 if value:
@@ -80,13 +85,20 @@ class DraftSection:
         """(start lm_head and the final norm at the target's head, keep lm_head frozen there):
         `init_head=target` (EAGLE-3) starts there and trains; a block draft's `dflash.head=target`
         also freezes the head, as DFlash shares the target's."""
-        frozen = self.family == "dflash" and self.dflash.head == "target"
+        blocks = self.block_settings()
+        frozen = blocks is not None and blocks.head == "target"
         return self.init_head == "target" or frozen, frozen
+
+    def block_settings(self, family: str | None = None) -> DFlashSettings | None:
+        """The settings of a block family's draft (`dflash` or `dspark`); None for EAGLE-3."""
+        family = family or self.family
+        return getattr(self, family) if family in BLOCK_FAMILIES else None
 
     def build(self, target: TargetSpec, vocab) -> DraftConfig | DFlashConfig:
         """The draft's architecture for `target` and the vocab stage's map (`d2t`, `t2d`)."""
-        if self.family == "dflash":
-            return self.dflash.build(
+        blocks = self.block_settings()
+        if blocks is not None:
+            return blocks.build(
                 target,
                 vocab.d2t.numel(),
                 vocab.t2d,
@@ -104,9 +116,10 @@ class DraftSection:
 
     def capture_ids(self, target: TargetSpec, family: str | None = None) -> list[int]:
         """The capture ids a draft of `family` (default: this draft's) reads: EAGLE-3 the
-        target preset's (target.capture_layer_ids), DFlash `dflash.target_layer_ids`."""
-        if (family or self.family) == "dflash":
-            return self.dflash.layer_ids(target)
+        target preset's (target.capture_layer_ids), a block draft its `target_layer_ids`."""
+        blocks = self.block_settings(family)
+        if blocks is not None:
+            return blocks.layer_ids(target, f"draft.{family or self.family}.target_layer_ids")
         return target.capture_ids
 
 
@@ -537,15 +550,16 @@ class FullConfig:
                     "acceptance of k drafts is simulated from k unrolled steps"
                 )
             return
-        slots = self.draft.dflash.block_size - 1
+        blocks, family = self.draft.block_settings(), self.draft.family
+        slots = blocks.draft_tokens
         for key, value in (
             ("train.acceptance_k", self.train.acceptance_k),
             ("evaluate.num_steps", self.evaluate.num_steps),
         ):
             if value > slots:
                 raise ConfigError(
-                    f"{key}={value} exceeds the {slots} draft tokens of a block (draft.dflash.block_size="
-                    f"{self.draft.dflash.block_size}): a block draft proposes at most block_size - 1 per pass"
+                    f"{key}={value} exceeds the {slots} draft tokens of a block (draft.{family}.block_size="
+                    f"{blocks.block_size}): a {family} block proposes at most {slots} per pass"
                 )
         if self.evaluate.topk > 1 or self.evaluate.tree_topk > 1:
             raise ConfigError(
@@ -556,7 +570,7 @@ class FullConfig:
         if objective.weighting != "decay" or objective.loss_block_rows:
             raise ConfigError(
                 "train.objective.weighting=chain and train.objective.loss_block_rows are EAGLE-3 options; the block "
-                "draft weighs its slots by draft.dflash.loss_gamma and scores whole logits"
+                f"draft weighs its slots by draft.{family}.loss_gamma and scores whole logits"
             )
 
     @property

@@ -273,13 +273,16 @@ def side_from_sglang_export(
 def side_from_vllm_dflash_export(folder: Path, cfg: dict) -> Side:
     """vLLM's DFlash layout (eagle3.dflash.export): dflash_config's ids are ours as they are;
     the weights carry d2t (the draft vocabulary; t2d follows from it), the mask embedding's
-    file names its id."""
+    file names its id. A DSpark export (architecture Qwen3DSparkModel, eagle3.dspark.export)
+    is the same but for the mask: vLLM's DSpark embeds the mask slots as the target's row, as
+    the draft trains them, so it ships no mask-embedding file; its heads are checked too."""
     import torch
     from safetensors.torch import load_file
 
-    side = Side(f"vLLM DFlash export ({folder})")
+    dspark = "Qwen3DSparkModel" in (cfg.get("architectures") or [])
+    side = Side(f"vLLM {'DSpark' if dspark else 'DFlash'} export ({folder})")
     dflash = cfg.get("dflash_config") or {}
-    side.facts["draft_family"] = "dflash"
+    side.facts["draft_family"] = "dspark" if dspark else "dflash"
     if dflash.get("target_layer_ids") is None:
         side.errors.append(f"{side.name}: config.json has no dflash_config.target_layer_ids")
     else:
@@ -292,11 +295,15 @@ def side_from_vllm_dflash_export(folder: Path, cfg: dict) -> Side:
             "mask_token_id": dflash.get("mask_token_id"),
         }
     )
-    d2t = load_file(str(folder / draft_files.EXPORT_WEIGHTS)).get("d2t")
+    weights = load_file(str(folder / draft_files.EXPORT_WEIGHTS))
+    d2t = weights.get("d2t")
     if d2t is not None:
         t2d = torch.zeros(int(cfg.get("vocab_size", 0)), dtype=torch.bool)
         t2d[target_ids_of(d2t)] = True
         check_vocab_map(side, d2t, t2d)
+    if dspark:
+        check_dspark_heads(side, cfg, weights)
+        return side
     mask_file = folder / draft_files.MASK_EMBEDDING
     if not mask_file.is_file():
         side.errors.append(
@@ -311,6 +318,31 @@ def side_from_vllm_dflash_export(folder: Path, cfg: dict) -> Side:
                 f"{dflash.get('mask_token_id')} (vLLM refuses the pair)"
             )
     return side
+
+
+def check_dspark_heads(side: Side, cfg: dict, weights: dict) -> None:
+    """The heads vLLM's DSpark builds from config.json must be the ones the weights hold: a
+    Markov head of `markov_rank` over the target's vocabulary, and a confidence head only where
+    `enable_confidence_head` (vLLM drops a confidence head the config does not name, silently,
+    and then verifies every drafted token)."""
+    rank, w1 = cfg.get("markov_rank"), weights.get("markov_head.markov_w1.weight")
+    if w1 is None or rank is None or tuple(w1.shape) != (cfg.get("vocab_size"), rank):
+        side.errors.append(
+            f"{side.name}: config.json markov_rank={rank}, vocab_size={cfg.get('vocab_size')} but "
+            f"markov_head.markov_w1 is {None if w1 is None else list(w1.shape)}"
+        )
+    has_head = "confidence_head.proj.weight" in weights
+    if bool(cfg.get("enable_confidence_head")) != has_head:
+        side.errors.append(
+            f"{side.name}: config.json enable_confidence_head={cfg.get('enable_confidence_head')} but the weights "
+            f"{'hold' if has_head else 'lack'} confidence_head.proj"
+        )
+    side.facts["sample_from_anchor"] = cfg.get("sample_from_anchor", True)
+    if side.facts["sample_from_anchor"] is not True:
+        side.errors.append(
+            f"{side.name}: sample_from_anchor={cfg.get('sample_from_anchor')}: vLLM would read the block as DFlash's "
+            "anchor-plus-K fill-in, not the layout the draft trained (every slot a guess)"
+        )
 
 
 def side_from_vllm_export(folder: Path) -> Side:

@@ -93,6 +93,7 @@ def decode_all(
     gained = forwards = accepted_uncut = 0
     slots = SlotCounts.zeros(num_steps)
     spec_s = plain_s = 0.0
+    drafted = 0  # draft tokens sent to verification (fewer than k a pass where a DSpark draft's confidence cuts)
     lossless, agree, total, per_row, greedy, divergences = True, 0, 0, [], [], []
     try:
         for r in rows:
@@ -113,6 +114,7 @@ def decode_all(
             total += len(answer)
             gained, forwards = gained + res.gained, forwards + res.target_forwards
             accepted_uncut += res.accepted_uncut
+            drafted += res.drafted
             slots = slots.merge(res.slots)
             spec_s += res.seconds
             per_row.append(
@@ -138,6 +140,7 @@ def decode_all(
         # cut at the answer's length (vLLM counts them so).
         "acceptance_vllm": (accepted_uncut + forwards) / forwards if forwards else float("nan"),
         "per_position_acceptance": slots.rate,
+        "verified_per_pass": drafted / forwards if forwards else float("nan"),
         "lossless": bool(lossless) if temperature == 0 and plain else None,
         "divergences": divergences,
         "text_agreement": (agree / total if total else float("nan")) if temperature == 0 and plain else None,

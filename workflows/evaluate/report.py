@@ -130,6 +130,8 @@ def markdown(r: dict, plots: list[str]) -> str:
         f"| acceptance decoded, SGLang's definition (completion tokens / verify passes, the prefill's token "
         f"included; compare served `accept_length` with this) | {r['acceptance_decoded_sglang_definition']:.3f} |",
         f"| parity ratio offline / decoded | {r['parity_ratio']:.3f} |",
+        f"| draft tokens verified per pass (fewer than k where a DSpark draft's confidence cut the chain) | "
+        f"{r.get('verified_per_pass', float('nan')):.2f} |",
         f"| lossless (decoded == plain greedy on every prompt) | {r['lossless']} |",
         *[
             f"| diverged from greedy: prompt {d['prompt']} at token {d['position']} "

@@ -247,6 +247,7 @@ def evaluate_into(cfg: FullConfig, layout: RunLayout, target_path: Path, out: Pa
         "divergences": dec["divergences"],
         "text_agreement": dec["text_agreement"],
         "per_position_acceptance": dec["per_position_acceptance"],
+        "verified_per_pass": dec["verified_per_pass"],
         "per_position_acceptance_offline": offline.per_slot_rate,
         "acceptance_by_prompt_length_offline": by_bucket(
             prompt_lengths, [(a.tokens, a.passes) for a in offline_rows], e.length_buckets
