@@ -340,8 +340,144 @@ def memorising_block_draft(
         "draft": folder / "draft",
         "vllm": vllm,
         "model": model,
+        "block_draft": draft,
+        "rows": rows,
         "prompts": [s[:prompt_len] for s in seqs],
         "greedy": chain["greedy"],
         "max_new_tokens": [new_tokens] * len(seqs),
         "chain": chain,
     }
+
+
+# ------------------------------------------------------------------ DSpark, as vLLM 0.32 serves it
+def dspark_checkpoint(
+    dflash_export,
+    target_path,
+    folder,
+    sample_from_anchor: bool,
+    markov_w1: torch.Tensor | None = None,
+    markov_w2: torch.Tensor | None = None,
+    rank: int = 8,
+):
+    """A Qwen3 DSpark checkpoint for vLLM (method "dspark", `Qwen3DSparkModel`) made of a
+    DFlash export (eagle3.dflash.export) and a Markov head: the same backbone weights, `d2t`
+    and `lm_head`, plus `markov_head.markov_w1.weight` [vocab, rank] (indexed by target ids)
+    and `markov_head.markov_w2.weight` [draft vocab, rank] (zeros unless given: a zero bias).
+    vLLM's DSpark loader drops `mask_embedding` and never reads mask_embedding.pt, so the
+    mask slots are embedded through the checkpoint's own `embed_tokens`: the target's table
+    with the trained mask embedding in row mask_token_id. A test stand-in for the training
+    side's export (eagle3/dspark), not a format of the project's own."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    src, folder = Path(dflash_export), Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    state = load_file(str(src / "model.safetensors"))
+    mask = torch.load(src / "mask_embedding.pt", weights_only=True)
+    embed = load_file(str(Path(target_path) / "model.safetensors"))["model.embed_tokens.weight"].clone()
+    embed[mask["mask_token_id"]] = mask["embedding"].to(embed.dtype)
+    state["embed_tokens.weight"] = embed
+    vocab, draft_vocab = cfg["vocab_size"], cfg["draft_vocab_size"]
+    state["markov_head.markov_w1.weight"] = torch.zeros(vocab, rank) if markov_w1 is None else markov_w1
+    state["markov_head.markov_w2.weight"] = torch.zeros(draft_vocab, rank) if markov_w2 is None else markov_w2
+    tensors = {k: v.contiguous() for k, v in state.items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg.update(
+        architectures=["Qwen3DSparkModel"],
+        markov_rank=int(state["markov_head.markov_w1.weight"].shape[1]),
+        markov_head_type="vanilla",
+        sample_from_anchor=sample_from_anchor,
+        enable_confidence_head=False,
+    )
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    return folder
+
+
+class DSparkReferenceDrafter:
+    """vLLM 0.32's DSpark draft step (v1/worker/gpu/spec_decode/dspark/speculator.py), greedy,
+    written plainly over a DFlash backbone (eagle3.dflash.drafter's context cache), for the
+    reference decoder. Verified rows 0..n-1 are the context; the anchor (the target's token
+    after row n-1) sits at position n, and draft token i is the guess for position n+1+i.
+    Fill-in layout (`sample_from_anchor=False`, DFlash's): [anchor, mask x N] at n..n+N, and
+    mask slot i+1 (position n+1+i) guesses the token at its own position. Anchor layout
+    (True, the paper's): [anchor, mask x (N-1)] at n..n+N-1, and slot i (position n+i)
+    guesses the next position, the anchor itself the first. Then left to right, draft token
+    i is the argmax over the draft vocabulary of base_logits_i + w2 @ w1[prev], prev being
+    the anchor for i = 0 and draft token i-1 (a target id) after."""
+
+    def __init__(self, draft, markov_w1: torch.Tensor, markov_w2: torch.Tensor, sample_from_anchor: bool):
+        from eagle3.dflash.drafter import DFlashDrafter
+
+        self.backbone = DFlashDrafter(draft)
+        self.w1, self.w2, self.sample_from_anchor = markov_w1.float(), markov_w2.float(), sample_from_anchor
+
+    def reset(self) -> None:
+        self.backbone.reset()
+
+    def commit(self, tokens, aux) -> None:
+        self.backbone.commit(tokens, aux)
+
+    @torch.no_grad()
+    def propose(self, num_steps: int, topk: int, num_draft_tokens: int):
+        from eagle3.dflash.model import BlockVisibility
+        from eagle3.spec_decode import DraftTree
+
+        b = self.backbone
+        d, rows = b.draft, b.rows
+        slots = num_steps if self.sample_from_anchor else num_steps + 1
+        ids = torch.full((1, 1, slots), d.cfg.mask_token_id, dtype=torch.long)
+        ids[0, 0, 0] = b.anchor
+        pos = torch.arange(rows, rows + slots)[None, None]
+        visible = BlockVisibility(torch.full((1, 1), rows - 1), torch.zeros(1, rows, dtype=torch.long))
+        hidden = d.blocks(ids, pos, list(zip(b.keys, b.values)), visible)[0, 0]
+        base = d.logits(hidden if self.sample_from_anchor else hidden[1:])
+        prev, guesses = b.anchor, []
+        for i in range(num_steps):
+            prev = int(d.draft_to_target((base[i] + self.w2 @ self.w1[prev]).argmax()))
+            guesses.append(prev)
+        return DraftTree(tokens=guesses, parents=list(range(-1, num_steps - 1)), depths=list(range(1, num_steps + 1)))
+
+
+def dspark_reference(memorised_blocks, markov_w1, markov_w2, sample_from_anchor: bool, num_steps: int = 4) -> dict:
+    """The reference decoder with `DSparkReferenceDrafter` on the memorised block draft's
+    prompts: vLLM's counters as it counts them (drafts = verify passes, accepted drafts
+    before the cut at the answer's length) and whether it is plain greedy decoding."""
+    from eagle3.spec_decode import SpeculativeDecoder
+
+    draft = memorised_blocks["block_draft"]
+    drafter = DSparkReferenceDrafter(draft, markov_w1, markov_w2, sample_from_anchor)
+    decoder = SpeculativeDecoder(memorised_blocks["model"], drafter, list(draft.cfg.capture_layer_ids), num_steps)
+    drafts = accepted = 0
+    outputs = []
+    try:
+        for prompt, n in zip(memorised_blocks["prompts"], memorised_blocks["max_new_tokens"]):
+            res = decoder.generate(prompt, n)
+            drafts, accepted = drafts + res.target_forwards, accepted + res.accepted_uncut
+            outputs.append(res.tokens)
+    finally:
+        decoder.target.close()
+    return {
+        "num_drafts": drafts,
+        "num_accepted_tokens": accepted,
+        "acceptance_vllm": (accepted + drafts) / drafts,
+        "lossless": outputs == memorised_blocks["greedy"],
+    }
+
+
+def bigram_markov_head(memorised_blocks, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Markov head that has learnt the memorised answers' bigrams: w1 [vocab, draft vocab]
+    is one where the draft id of a token that follows `a` (prompt and answer) meets row `a`,
+    w2 = scale x identity (rank = the draft vocabulary). Its bias alone drafts those texts
+    well in the anchor layout, where the fill-in draft's own slots guess one position off."""
+    draft = memorised_blocks["block_draft"]
+    draft_ids = {int(t): i for i, t in enumerate(draft.draft_to_target(torch.arange(draft.d2t.numel())).tolist())}
+    w1 = torch.zeros(draft.cfg.vocab_size, draft.d2t.numel())
+    for prompt, answer in zip(memorised_blocks["prompts"], memorised_blocks["greedy"]):
+        text = prompt + answer
+        for a, b in zip(text, text[1:]):
+            if b in draft_ids:
+                w1[a, draft_ids[b]] = 1.0
+    return w1, torch.eye(draft.d2t.numel()) * scale

@@ -226,6 +226,9 @@ def test_vllm_launch_command_for_a_block_draft(monkeypatch):
     assert "hf_secret" not in line and line.startswith("HF_TOKEN=<redacted> PYTHONPATH=")
     assert " VLLM_ENABLE_V1_MULTIPROCESSING=0 " in line
     assert shlex.split(line)[len(cpu_env) :] == cpu_argv  # the printed line runs as it reads, in a shell
+    # DSpark: vLLM's V2 model runner, its Triton kernels interpreted on the CPU (the shim's stand-in)
+    _, dspark_env = vllm_launch_command("/v/python", "/m/target", "/m/draft", "dspark", 7, cpu=True)
+    assert dspark_env.items() >= {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1"}.items()
 
     python = vllm_python(None, "cpu")
     assert python == str(ROOT / ".venv-vllm" / "bin" / "python")

@@ -8,6 +8,7 @@ the draft the wrong layers must fall below the prediction and be called out. The
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 
@@ -218,3 +219,52 @@ def test_vllm_serves_the_block_draft_as_predicted_and_flags_a_miswired_one(memor
         assert bad["identical_to_greedy"] == 8  # lossless still: only the drafts are worse
         assert bad["served_over_predicted"] < 0.95 and not bad["matches_prediction"], (fault, bad)
         assert "BELOW PREDICTION by more than 2%" in verdict(bad)
+
+
+# ------------------------------------------------------------------ DSpark, by vLLM's V2 runner
+def test_vllm_serves_dspark_as_dflash_in_the_fill_in_layout_and_as_the_reference_in_the_anchor_layout(
+    memorised_blocks, tiny_target, tmp_path
+):
+    """vLLM serves DSpark with its V2 model runner alone (on this CPU with its Triton kernels
+    interpreted: workflows/vllm_cpu_shim). The memorised DFlash draft as a DSpark checkpoint
+    in DFlash's fill-in layout with a zero Markov head is DFlash: served token for token and
+    count for count as the reference decoder decodes the DFlash draft (and as the V1 runner
+    serves it, above). In the paper's anchor layout with a Markov head that has learnt the
+    answers' bigrams, its counters are the reference DSpark drafter's (tests.helpers), which
+    pins which slot guesses which position and which token the Markov head reads."""
+    from tests.helpers import bigram_markov_head, dspark_checkpoint, dspark_reference
+
+    chain = memorised_blocks["chain"]
+    fill = dspark_checkpoint(memorised_blocks["vllm"], tiny_target, tmp_path / "fill", sample_from_anchor=False)
+    check = served_check(
+        replace(block_job(memorised_blocks, tiny_target, fill), method="dspark"),
+        memorised_blocks["greedy"],
+        chain["acceptance_vllm"],
+        "acceptance_vllm",
+        tolerance=0.02,
+    )
+    assert check["identical_to_greedy"] == 8 and check["divergent"] == [], check
+    assert check["counters"]["num_drafts"] == chain["target_forwards"], check
+    assert check["accept_length"] == pytest.approx(chain["acceptance_vllm"], abs=1e-12), check
+
+    # The anchor layout on three prompts (each interpreted verify pass costs ~0.2 s here).
+    few = {
+        **memorised_blocks,
+        **{k: memorised_blocks[k][:3] for k in ("prompts", "greedy", "max_new_tokens")},
+    }
+    w1, w2 = bigram_markov_head(few, scale=20.0)
+    want = dspark_reference(few, w1, w2, sample_from_anchor=True)
+    assert want["lossless"] and want["acceptance_vllm"] > 2.5, want  # deep positions are exercised
+    anchor = dspark_checkpoint(
+        memorised_blocks["vllm"], tiny_target, tmp_path / "anchor", True, markov_w1=w1, markov_w2=w2
+    )
+    check = served_check(
+        replace(block_job(few, tiny_target, anchor), method="dspark"),
+        few["greedy"],
+        want["acceptance_vllm"],
+        "acceptance_vllm",
+        tolerance=0.02,
+    )
+    assert check["identical_to_greedy"] == 3, check
+    got = {k: check["counters"][k] for k in ("num_drafts", "num_accepted_tokens")}
+    assert got == {k: want[k] for k in ("num_drafts", "num_accepted_tokens")}, (got, want)

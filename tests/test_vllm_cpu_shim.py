@@ -4,6 +4,8 @@ CPU vLLM processes only, checked in vLLM's own interpreter (.venv-vllm)."""
 import json
 import subprocess
 
+import pytest
+
 from workflows.core.serving import ServeJob, engine_env, vllm_python
 
 # In vLLM's interpreter: the DFlash draft's context-key norm as vLLM-CPU computes it, as the
@@ -46,3 +48,52 @@ def test_vllm_cpu_normalises_every_dflash_layer_by_its_own_k_norm_with_the_stand
         ServeJob(engine="vllm", target_path="", draft_path="", num_steps=1, topk=1, num_draft_tokens=2, device="cuda")
     )
     assert "EAGLE3_VLLM_CPU_STANDINS" not in gpu and "vllm_cpu_shim" not in gpu["PYTHONPATH"]  # GPUs as vLLM ships
+
+
+# In vLLM's interpreter with a DSpark job's CPU environment: vLLM's own verdict on Triton
+# (none: no CPU backend), the stand-in's, and a @triton.jit kernel on CPU tensors, run by
+# Triton's interpreter as vLLM's V2 model runner runs its kernels.
+TRITON_PROBE = """
+import json, torch
+import vllm_cpu_standins
+from vllm.triton_utils import HAS_TRITON, tl, triton
+
+@triton.jit
+def scatter_plus_one(src, index, out, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(out + tl.load(index + i, mask=m), tl.load(src + i, mask=m) + 1, mask=m)
+
+src, index = torch.arange(10), torch.randperm(10, generator=torch.Generator().manual_seed(0))
+out = torch.zeros(10, dtype=torch.long)
+scatter_plus_one[(3,)](src, index, out, 10, BLOCK=4)
+want = torch.zeros(10, dtype=torch.long).index_copy_(0, index, src + 1)
+print(json.dumps({"vllm_own": vllm_cpu_standins.VLLM_OWN.get("HAS_TRITON"), "has_triton": HAS_TRITON,
+                  "kernel": type(scatter_plus_one).__name__, "right": bool(torch.equal(out, want))}))
+"""
+
+
+def test_a_dspark_job_runs_vllms_v2_runner_with_triton_interpreted_on_a_cpu_and_no_other():
+    from workflows.core.errors import InputError
+    from workflows.core.serving import serve_prompts
+
+    def job(method, **over):
+        return ServeJob(
+            engine="vllm", target_path="", draft_path="", num_steps=1, topk=1, num_draft_tokens=2, method=method, **over
+        )
+
+    env = engine_env(job("dspark"))
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "1" and env["TRITON_INTERPRET"] == "1"
+    for method in ("eagle3", "dflash"):  # the V1 runner, as before
+        assert "VLLM_USE_V2_MODEL_RUNNER" not in engine_env(job(method)) and "TRITON_INTERPRET" not in engine_env(
+            job(method)
+        )
+    assert "TRITON_INTERPRET" not in engine_env(job("dspark", device="cuda"))  # GPUs as vLLM ships
+    done = subprocess.run(
+        [vllm_python(None, "cpu"), "-c", TRITON_PROBE], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {"vllm_own": False, "has_triton": True, "kernel": "InterpretedFunction", "right": True}, got
+    with pytest.raises(InputError, match="adaptive verification cannot run on a CPU"):
+        serve_prompts(job("dspark", adaptive_verification=True, prompts=[[1]], max_new_tokens=[1]))

