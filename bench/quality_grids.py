@@ -126,4 +126,8 @@ GRIDS["drafters"] = [
     ("dflash lr=3e-3", ["draft=dflash", "train.optim.lr=3e-3"]),
     # DFlash's own recipe shares the target's head, frozen: fewer weights to fit at small data.
     ("dflash head=target", ["draft=dflash", "draft.dflash.head=target"]),
+    # Issue 50: DSpark (DFlash's backbone + Markov and confidence heads) at the paper's recipe:
+    # blocks of 7, every slot a guess (7 a pass, as the rows above), 5 layers, rank 256.
+    ("dspark", ["draft=dspark"]),
+    ("dspark layers=1", ["draft=dspark", "draft.dspark.num_layers=1"]),  # EAGLE-3's layer count
 ]

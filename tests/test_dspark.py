@@ -256,7 +256,7 @@ def test_the_dspark_export_is_vllms_layout_and_the_doctor_reads_it(tmp_path):
     out = export_dspark(tmp_path / "draft", tmp_path / "vllm", "float32")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == [ARCHITECTURE] and cfg["sample_from_anchor"] is True
-    assert cfg["dflash_config"] == {"mask_token_id": 96, "target_layer_ids": [1, 2, 3], "sample_from_anchor": True}
+    assert cfg["dflash_config"] == {"mask_token_id": 96, "target_layer_ids": [1, 2, 3]}  # vLLM refuses more there
     assert (cfg["markov_rank"], cfg["markov_head_type"], cfg["enable_confidence_head"]) == (8, "vanilla", True)
     assert cfg["confidence_head_with_markov"] is True and cfg["block_size"] == 4
     weights = load_file(str(out / "model.safetensors"))

@@ -430,3 +430,47 @@ def test_a_block_draft_goes_through_the_pipeline_and_vllm_serves_it_as_predicted
     assert f"| {check['tokens_per_s']:.1f} / {plain['tokens_per_s']:.1f} / {plain['speedup']:.2f} |" in markdown
     assert f"served by {check['engine']} {check['accept_length']:.3f} vs predicted" in logs[-3]
     assert logs[-2] == f"draft: {run / 'export' / 'vllm'}"
+
+
+@pytest.mark.slow
+def test_a_dspark_draft_goes_through_the_pipeline_and_vllm_serves_it_as_predicted(tmp_path, tiny_target):
+    """`workflows.full draft=dspark` on the tiny target: the DSpark draft (Markov and confidence
+    heads) trained from the store, exported in vLLM's Qwen3DSparkModel layout, decoded by the
+    reference decoder token by token with the Markov bias, and served by vLLM (its V2 runner,
+    the only one with DSpark) on the held-out prompts: its figure the prediction, its outputs
+    greedy's, its passes and accepted tokens the reference decoder's (a mis-wired DSpark export
+    served: tests/test_served.py)."""
+    from tests.test_workflows import tiny_cfg
+    from workflows import full
+
+    run = tmp_path / "run"
+    cfg = tiny_cfg(
+        tiny_target,
+        run,
+        "draft=dspark",
+        "draft.dspark.num_layers=1",
+        "draft.dspark.block_size=4",
+        "draft.dspark.markov_rank=32",
+        "data.limit=64",
+        "train.steps=200",
+        "train.optim.lr=1e-2",
+        "evaluate.max_prompts=4",
+        "evaluate.max_new_tokens=16",
+        "evaluate.num_steps=4",
+        "train.acceptance_k=4",
+        "train.backend=local",
+        "evaluate.served=vllm",
+        "evaluate.device=cpu",
+    )
+    full.run(cfg)
+    report = json.loads((run / "report" / "report.json").read_text())
+    assert report["draft_family"] == "dspark" and report["serve_engine"] == "vllm"
+    assert report["lossless"] and 0.97 <= report["parity_ratio"] <= 1.03, report
+    assert report["acceptance_decoded"] > 1.2, report  # the draft reads the target's states
+    assert report["verified_per_pass"] == 4  # no adaptive cut by default: the whole block is verified
+    check = report["served"]["vllm"]
+    assert check["identical_to_greedy"] == check["prompts"] == report["prompts"], check
+    assert check["matches_prediction"] and check["predicted"] == report["acceptance_decoded_vllm_definition"]
+    rows = report["per_prompt_decoded"]
+    assert check["counters"]["num_drafts"] == sum(r["passes"] for r in rows), check
+    assert check["counters"]["num_accepted_tokens"] == sum(r["accepted_uncut"] for r in rows), check
