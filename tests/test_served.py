@@ -231,7 +231,8 @@ def test_vllm_serves_dspark_as_dflash_in_the_fill_in_layout_and_as_the_reference
     count for count as the reference decoder decodes the DFlash draft (and as the V1 runner
     serves it, above). In the paper's anchor layout with a Markov head that has learnt the
     answers' bigrams, its counters are the reference DSpark drafter's (tests.helpers), which
-    pins which slot guesses which position and which token the Markov head reads."""
+    pins which slot guesses which position and which token the Markov head reads; read from
+    the layers one up, it is served below its prediction and flagged."""
     from tests.helpers import bigram_markov_head, dspark_checkpoint, dspark_reference
 
     chain = memorised_blocks["chain"]
@@ -268,3 +269,18 @@ def test_vllm_serves_dspark_as_dflash_in_the_fill_in_layout_and_as_the_reference
     assert check["identical_to_greedy"] == 3, check
     got = {k: check["counters"][k] for k in ("num_drafts", "num_accepted_tokens")}
     assert got == {k: want[k] for k in ("num_drafts", "num_accepted_tokens")}, (got, want)
+    # Mis-wired: the same checkpoint read from the layers one up is served below its
+    # prediction and called out (still lossless: only the drafts are worse).
+    cfg = json.loads((anchor / "config.json").read_text())
+    cfg["dflash_config"]["target_layer_ids"] = [i + 1 for i in cfg["dflash_config"]["target_layer_ids"]]
+    shifted = shutil.copytree(anchor, tmp_path / "shifted")
+    (shifted / "config.json").write_text(json.dumps(cfg))
+    bad = served_check(
+        replace(block_job(few, tiny_target, shifted), method="dspark"),
+        few["greedy"],
+        want["acceptance_vllm"],
+        "acceptance_vllm",
+        tolerance=0.02,
+    )
+    assert bad["identical_to_greedy"] == 3 and not bad["matches_prediction"], bad
+    assert bad["served_over_predicted"] < 0.98 and "BELOW PREDICTION by more than 2%" in verdict(bad)  # 0.958 seen
