@@ -55,6 +55,10 @@ def run(cfg: FullConfig) -> dict:
     target_path = prepare_for(cfg, log=log)
     outputs, seconds = {"target": target_path}, {"target": round(time.perf_counter() - started, 1)}
     for stage, stage_run in STAGE_RUNS.items():
+        if stage == "capture" and stage in cfg.stages and cfg.train.data_source == "stream":
+            # The train stage streams the states from its own engine actors: no store to build.
+            log("capture: skipped, train.data_source=stream computes the states while training")
+            continue
         if stage in cfg.stages:
             started = time.perf_counter()
             with layout.shared_stage_lock(stage):

@@ -74,10 +74,20 @@ def my_shards(shards: list[str], seed: int, epoch: int, rank: int, world: int) -
 
 
 def window_batches(samples: list[dict], s: BatchSettings, rng: random.Random, counts: StreamCounts) -> list[dict]:
+    return [batch for batch, _ in window_batches_with_ids(samples, s, rng, counts)]
+
+
+def window_batches_with_ids(
+    samples: list[dict], s: BatchSettings, rng: random.Random, counts: StreamCounts
+) -> list[tuple[dict, list[str]]]:
+    """A window's batches, each with the ids of the samples in it, in the seeded order (the
+    shuffle draws on the length alone, so the order is that of `window_batches`)."""
     if s.packing:
         packed = pack_samples(samples, s.max_seq_len, s.pad_id, s.rows_per_batch)
         counts.truncated += packed.truncated
-        batches = packed.batches
+        groups = [packed.rows[i : i + s.rows_per_batch] for i in range(0, len(packed.rows), s.rows_per_batch)]
+        ids = [[samples[k]["id"] for row in group for k in row] for group in groups]
+        batches = list(zip(packed.batches, ids))
     else:
         cut = []
         for x in samples:
@@ -86,7 +96,10 @@ def window_batches(samples: list[dict], s: BatchSettings, rng: random.Random, co
                 x = {k: (v[: s.max_seq_len] if k != "id" else v) for k, v in x.items()}
             cut.append(x)
         cut.sort(key=lambda x: (len(x["input_ids"]), x["id"]))  # little padding inside a batch
-        batches = [collate_samples(cut[i : i + s.batch_size], s.pad_id) for i in range(0, len(cut), s.batch_size)]
+        batches = [
+            (collate_samples(cut[i : i + s.batch_size], s.pad_id), [x["id"] for x in cut[i : i + s.batch_size]])
+            for i in range(0, len(cut), s.batch_size)
+        ]
     rng.shuffle(batches)
     return batches
 
