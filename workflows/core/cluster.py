@@ -38,7 +38,8 @@ def runtime_env(cluster: ClusterSection) -> dict:
     return {"env_vars": {"PYTHONPATH": pythonpath}}
 
 
-def ensure_ray(cluster: ClusterSection) -> None:
+def ensure_ray(cluster: ClusterSection, system_config: dict | None = None) -> None:
+    """`system_config`: Ray's own settings for a local Ray started here (`_system_config`)."""
     import ray
 
     if ray.is_initialized():
@@ -69,4 +70,5 @@ def ensure_ray(cluster: ClusterSection) -> None:
         _node_ip_address="127.0.0.1",
         **port,
         **common,
+        **({"_system_config": system_config} if system_config else {}),
     )

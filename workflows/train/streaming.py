@@ -19,6 +19,7 @@ import warnings
 from pathlib import Path
 
 from eagle3.schema import ConfigError, output_dict
+from storage.states import state_bytes_per_token
 from storage.store import HiddenStateStore
 from workflows.core.cluster import ensure_ray
 from workflows.core.config import FullConfig
@@ -62,7 +63,9 @@ def start_ray(cfg: FullConfig, actors: int) -> None:
     cluster = cfg.cluster
     if cluster.address is None and cluster.num_cpus is None:
         cluster = dataclasses.replace(cluster, num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
-    ensure_ray(cluster)
+    # Ray frees objects in batches once a second by default; a stream turns several blocks of
+    # states over a second, so prompt frees keep the object store at what is really in flight.
+    ensure_ray(cluster, system_config={"free_objects_period_milliseconds": 20})
     have = ray.cluster_resources().get("CPU", 0)
     if have < need:
         raise ConfigError(
@@ -90,7 +93,28 @@ def positions_of(latest: Path | None, world: int) -> tuple[int, list[dict | None
     return states[0]["step"], [s["position"] for s in states]
 
 
-def datasets_for(cfg, target_path, layout, plan_file, counts, heldout, positions, remaining, tee):
+# Shards one pipeline holds at most whatever its limit, measured with Ray Data 2.60 (an engine
+# actor runs about four shards ahead of its trainer however small the limit, plus the one
+# the trainer holds and the one being computed): a budget must leave each this many.
+SHARDS_IN_FLIGHT = 6
+
+
+def data_limit(budget: int, world: int, shard_bytes: int) -> int:
+    """Ray Data's object-store limit for each of the `world + 1` pipelines so that together
+    they stay within `budget`: its share less the two shards outside Ray Data's count (the
+    one its trainer holds, the one an engine is writing); a budget below SHARDS_IN_FLIGHT
+    shards a pipeline cannot be honoured, and is refused."""
+    share = budget // (world + 1)
+    if share < SHARDS_IN_FLIGHT * shard_bytes:
+        raise ConfigError(
+            f"train.stream_budget_bytes={budget}: {world + 1} pipelines (one per training worker, one held-out) "
+            f"each hold up to {SHARDS_IN_FLIGHT} shards of states in flight, {shard_bytes} bytes each at most "
+            f"here: at least {(world + 1) * SHARDS_IN_FLIGHT * shard_bytes}; raise it, or lower capture.shard_samples"
+        )
+    return share - 2 * shard_bytes
+
+
+def datasets_for(cfg, target_path, layout, plan_file, counts, heldout, positions, remaining, tee, shard_bytes):
     """The ranks' datasets and the held-out one, each mapped by its own engine actors."""
     import ray
     import ray.train
@@ -154,8 +178,8 @@ def datasets_for(cfg, target_path, layout, plan_file, counts, heldout, positions
                 max_restarts=c.max_actor_restarts,
                 max_task_retries=c.max_actor_restarts,
             )
-    share = t.stream_budget_bytes // (world + 1)
-    options = ExecutionOptions(preserve_order=True, resource_limits=ExecutionResources(object_store_memory=share))
+    limit = data_limit(t.stream_budget_bytes, world, shard_bytes)
+    options = ExecutionOptions(preserve_order=True, resource_limits=ExecutionResources(object_store_memory=limit))
     config = ray.train.DataConfig(datasets_to_split=[], execution_options=options)
     return built, config, stride, per_worker
 
@@ -170,8 +194,11 @@ def train_streaming(cfg: FullConfig, layout: RunLayout, target_path, identity, p
     folder = out / LEDGER
     folder.mkdir(parents=True, exist_ok=True)
     _, skipped, corpus_sha, plan_file = plan_corpus(layout, cfg.capture.shard_samples, folder)
-    table = pq.read_table(plan_file, columns=["name", "sample_ids"])
+    table = pq.read_table(plan_file, columns=["name", "sample_ids", "n_tokens"])
     counts = dict(zip(table["name"].to_pylist(), (len(ids) for ids in table["sample_ids"].to_pylist())))
+    # The largest shard's bytes as it crosses: states of the draft's layers, tokens, mask, offsets.
+    per_token = state_bytes_per_token(len(cfg.draft_capture_ids), cfg.target.hidden_size, cfg.capture.state_dtype)
+    shard_bytes = max(table["n_tokens"].to_pylist()) * (per_token + 5) + 8 * (max(counts.values()) + 1)
     train_names = [n for n in counts if n.startswith("train-")]
     heldout = sorted(n for n in counts if n.startswith("heldout-")) or sorted(train_names)
     if not train_names:
@@ -194,7 +221,7 @@ def train_streaming(cfg: FullConfig, layout: RunLayout, target_path, identity, p
     bars = context.enable_progress_bars
     context.enable_progress_bars = False
     datasets, data_config, stride, per_worker = datasets_for(
-        cfg, target_path, layout, plan_file, counts, heldout, positions, remaining, tee
+        cfg, target_path, layout, plan_file, counts, heldout, positions, remaining, tee, shard_bytes
     )
     backend = cfg.capture.backend
     job = TrainJob(
