@@ -30,6 +30,7 @@ from storage.states import STATE_ARRAYS
 from workflows.core.engine_spec import EngineSpec
 from workflows.core.engines import engine_class
 from workflows.core.shard_states import CorpusFiles, ShardRef, shard_data
+from workflows.train.data import my_shards
 
 
 class StatesActor:
@@ -102,18 +103,21 @@ def epochs_needed(samples_per_epoch: int, batches: int, settings) -> int:
     return math.ceil(batches / least) + 1
 
 
-def rank_items(counts: dict[str, int], deal, rank: int, world: int, position: dict | None, batches: int, settings):
-    """The rows of rank `rank`'s dataset: its shards of each epoch from the checkpoint's
-    window on (the samples before it are not streamed again), enough epochs for `batches`
-    more batches. `deal(epoch, rank, world)` -> (shard names, stride) as the store path."""
+def rank_items(counts: dict[str, int], seed: int, rank: int, world: int, position: dict | None, batches: int, settings):
+    """The rows of rank `rank`'s dataset: its shards of each epoch (dealt as the store path
+    deals them, workflows.train.data.my_shards) from the checkpoint's window on (the samples
+    before it are not streamed again), enough epochs for `batches` more batches."""
+    shards = [n for n in counts if n.startswith("train-")]
     start_epoch = position["epoch"] if position else 0
     window_start = position.get("window_start", 0) if position else 0
-    names, stride = deal(start_epoch, rank, world)
-    per_epoch = sum(counts[n] for n in names) // (world if stride else 1)
+    stride = my_shards(shards, seed, start_epoch, rank, world)[1]
+    # The fewest samples a rank can get in an epoch: the smallest shards' share, or a stride
+    sizes = sorted(counts[n] for n in shards)
+    per_epoch = sum(sizes) // world if stride else sum(sizes[: len(sizes) // world])
     items = []
     for epoch in range(start_epoch, start_epoch + epochs_needed(per_epoch, batches, settings) + 1):
         first = 0
-        for name in deal(epoch, rank, world)[0]:
+        for name in my_shards(shards, seed, epoch, rank, world)[0]:
             n = counts[name]
             if epoch == start_epoch and first + n <= window_start:
                 first += n

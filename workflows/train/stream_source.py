@@ -39,7 +39,7 @@ from workflows.train.data import (
     StreamCounts,
     eval_batches,
     hash_seed,
-    window_batches_with_ids,
+    window_batches,
 )
 
 LEDGER = "stream"  # train/stream/: the plan, and each rank's record of what it trained
@@ -162,16 +162,14 @@ class StreamSource:
         }
 
     def _samples(self) -> Iterator[tuple[int, int, dict]]:
-        """(epoch, index in the epoch's sample sequence, sample), as the rank's rows come."""
+        """(epoch, index in the epoch's sample sequence, sample), as the rank's rows come, to
+        the end of the epochs planned."""
         while True:
             waited = time.perf_counter()
             row = next(self._rows, None)
             self.throughput["wait_seconds"] += time.perf_counter() - waited
             if row is None:
-                raise InputError(
-                    f"{self.url}: the stream of worker {self.rank} ended at epoch {self.position['epoch']} before "
-                    f"train.steps; its epochs were planned too few (workflows.train.streaming.epochs_needed)"
-                )
+                return
             t = self.throughput
             t["shards"] += 1
             t["state_tokens"] += int(row["tokens"])
@@ -204,16 +202,21 @@ class StreamSource:
             if len(window) == s.window:
                 yield from self._window(epoch, start, window, rng)
                 window = []
-        raise AssertionError("unreachable: _samples never ends")
+        if window:  # the last epoch planned: its last window
+            yield from self._window(epoch, start, window, rng)
+        raise InputError(
+            f"{self.url}: the stream of worker {self.rank} ended at epoch {self.position['epoch']} before "
+            f"train.steps; its epochs were planned too few (workflows.train.stream_pipeline.epochs_needed)"
+        )
 
     def _window(self, epoch: int, start: int, window: list[dict], rng: random.Random) -> Iterator[dict]:
         before = rng_state(rng.getstate())
-        pairs = window_batches_with_ids(window, self.settings, rng, self._counts)
+        pairs = window_batches(window, self.settings, rng)
         p = self.position
         resuming = p.get("epoch") == epoch and p.get("window_start") == start and "in_window" in p
         taken = p["batches"] - p["in_window"] if resuming else (p["batches"] if p.get("epoch") == epoch else 0)
         skip = p["in_window"] if resuming else 0
-        for b, (batch, ids) in enumerate(pairs[skip:], start=skip + 1):
+        for b, (batch, ids, truncated) in enumerate(pairs[skip:], start=skip + 1):
             self.position = {
                 "epoch": epoch,
                 "batches": taken + b,
@@ -223,5 +226,6 @@ class StreamSource:
             }
             self._ledger.write(json.dumps({"epoch": epoch, "batch": taken + b, "ids": ids}) + "\n")
             self._ledger.flush()
+            self._counts.truncated += truncated
             yield batch
         window.clear()

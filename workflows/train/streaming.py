@@ -32,7 +32,6 @@ from workflows.core.provenance import CAPTURE_CONTRACT, FINAL_IS_NORMED, store_p
 from workflows.core.shard_plan import plan_corpus
 from workflows.core.shard_states import engine_spec
 from workflows.train.checkpoint import resumable_checkpoint
-from workflows.train.data import my_shards
 from workflows.train.stream_pipeline import ObjectStorePeak, StatesActor, rank_items
 from workflows.train.stream_source import LEDGER
 from workflows.train.trainer import TrainJob, batch_settings, job_config
@@ -122,16 +121,12 @@ def datasets_for(cfg, target_path, layout, plan_file, counts, heldout, positions
 
     c, t, world = cfg.capture, cfg.train, cfg.train.num_workers
     per_worker = actors_per_worker(cfg)
-    train_names = [n for n in counts if n.startswith("train-")]
-
-    def deal(epoch, rank, world):
-        return my_shards(train_names, cfg.seed, epoch, rank, world)
 
     teed = set(tee.committed()) if tee else set()
     datasets, stride = {}, False
     settings = batch_settings(t, 0)
     for rank in range(world):
-        items, stride = rank_items(counts, deal, rank, world, positions[rank], remaining, settings)
+        items, stride = rank_items(counts, cfg.seed, rank, world, positions[rank], remaining, settings)
         for item in items:  # each shard written once, by the first rank and epoch that streams it
             if tee and item["shard"] not in teed:
                 item["tee"] = True

@@ -1,0 +1,190 @@
+"""train.data_source=stream: engine actors compute the states while Ray Train trains.
+
+On the tiny target, CPU, float32, 2 engine actors and 2 training workers. One module
+fixture runs, side by side, an uninterrupted streaming run (teeing its shards into a
+store) and a streaming run that is SIGKILLed between two checkpoints and rerun; then the
+store the first run teed is completed by the capture stage and trained from. The tests
+hold: streaming = the store path exactly (records and weights), the budget, the resume,
+and each sample of an epoch trained exactly once (by sample id).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import corpus_rows, kill_run
+from workflows import full
+from workflows.core.config import compose
+from workflows.train.checkpoint import latest_ray_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+BUDGET = 2_000_000  # bytes: 3 pipelines x 6 shards of the tiny target's ~0.1 MB fit, with room
+TRAIN = (
+    "stages=[train]",
+    "train.steps=12",
+    "train.checkpoint_every=4",
+    "train.eval_every=4",
+    "train.log_every=1",
+    "train.num_workers=2",
+    "capture.actors=2",
+    "train.max_seq_len=40",  # some samples are longer: truncated and counted, as on the store path
+    f"train.stream_budget_bytes={BUDGET}",
+)
+
+
+def overrides(tiny_target, run_dir, *extra) -> list[str]:
+    return [
+        "target=tiny",
+        f"cache_dir={tiny_target.parent.parent}",
+        f"run_dir={run_dir}",
+        "mixture=bundled",
+        "data.limit=16",
+        "data.max_new_tokens=24",
+        "data.heldout_fraction=0.25",
+        "capture.shard_samples=4",
+        "data.dtype=float32",
+        "capture.dtype=float32",
+        "train.compute_dtype=float32",
+        "train.optim.lr=3e-3",
+        "cluster.dashboard=false",
+        "train.packing=false",
+        "train.batch_size=2",
+        *extra,
+    ]
+
+
+def start(tiny_target, run_dir: Path, *extra) -> subprocess.Popen:
+    command = [sys.executable, "-m", "workflows.train", *overrides(tiny_target, run_dir, *extra)]
+    log = open(run_dir.parent / f"{run_dir.name}.log", "a")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finished(proc: subprocess.Popen, run_dir: Path) -> None:
+    assert proc.wait(timeout=600) == 0, (run_dir.parent / f"{run_dir.name}.log").read_text()[-4000:]
+
+
+def records(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "train" / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k != "tokens_per_s"} for line in lines if line.strip()]
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    file = run_dir / "train" / "metrics.jsonl"
+    lines = file.read_text().splitlines() if file.exists() else []
+    return [json.loads(line)["step"] for line in lines if line.strip()]
+
+
+def weights(run_dir: Path) -> dict:
+    return load_file(str(run_dir / "train" / "draft" / "draft.safetensors"))
+
+
+def trained_by_epoch(run_dir: Path) -> dict[int, list[str]]:
+    """Every rank's record of what it trained: the last line of each (rank, epoch, batch)."""
+    last = {}
+    for file in sorted((run_dir / "train" / "stream").glob("rank*.jsonl")):
+        for line in file.read_text().splitlines():
+            r = json.loads(line)
+            last[(file.name, r["epoch"], r["batch"])] = r["ids"]
+    epochs = defaultdict(list)
+    for (_, epoch, _), ids in last.items():
+        epochs[epoch] += ids
+    return dict(epochs)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_target, tmp_path_factory):
+    """(uninterrupted, killed and resumed, from the teed store) run folders, and the kill's step."""
+    base = tmp_path_factory.mktemp("stream")
+    corpus = base / "corpus"
+    full.run(compose(overrides(tiny_target, corpus, "stages=[target,generate,vocab]")))
+    reference, killed, stored = base / "reference", base / "killed", base / "stored"
+    for folder in (reference, killed):
+        shutil.copytree(corpus, folder)
+    ref = start(tiny_target, reference, *TRAIN, "train.data_source=stream", "train.stream_tee=true")
+    proc = start(tiny_target, killed, *TRAIN, "train.data_source=stream")
+    try:
+        try:
+            while not (
+                logged_steps(killed) and logged_steps(killed)[-1] >= 5 and latest_ray_checkpoint(killed / "train")
+            ):
+                assert proc.poll() is None, (base / "killed.log").read_text()[-4000:]
+                time.sleep(0.05)
+        finally:
+            kill_run(proc)  # the driver, Ray, the trainers and the engine actors, at once
+        kill_step = logged_steps(killed)[-1]
+        assert not (killed / "train" / "metrics.json").exists()
+        resumed = start(tiny_target, killed, *TRAIN, "train.data_source=stream")
+        finished(ref, reference)
+        # The teed store: the capture stage adopts its committed shards and verifies it, then
+        # the store path trains on it.
+        shutil.copytree(reference, stored, ignore=shutil.ignore_patterns("train"))
+        full.run(compose(overrides(tiny_target, stored, "stages=[capture]")))
+        store_run = start(tiny_target, stored, *TRAIN, "train.data_source=store")
+        finished(resumed, killed)
+        finished(store_run, stored)
+    finally:
+        for p in (ref, proc):
+            if p.poll() is None:
+                kill_run(p)
+    return reference, killed, stored, kill_step
+
+
+@pytest.mark.slow
+def test_streaming_trains_exactly_as_the_store_path(runs):
+    """Two workers, each rank's shards dealt as the store path deals them: the same steps
+    (losses, grad norms, accuracies, held-out figures, truncations) and the same weights."""
+    reference, _, stored, _ = runs
+    assert [r["step"] for r in records(reference)] == list(range(12))
+    assert records(reference) == records(stored)
+    a, b = weights(reference), weights(stored)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    m_stream = json.loads((reference / "train" / "metrics.json").read_text())
+    m_store = json.loads((stored / "train" / "metrics.json").read_text())
+    for k in ("samples", "tokens", "truncated"):
+        assert m_stream["stream"][k] == m_store["stream"][k], k
+    # The corpus has samples past train.max_seq_len, so that both paths cut (and count) them
+    assert any(len(r["input_ids"]) > 40 for r in corpus_rows(reference) if r["split"] == "train")
+    assert m_stream["eval_samples"] == m_store["eval_samples"]
+
+
+@pytest.mark.slow
+def test_the_stream_keeps_its_states_within_the_budget_and_writes_no_store(runs):
+    reference, killed, _, _ = runs
+    summary = json.loads((reference / "train" / "stream" / "summary.json").read_text())
+    assert summary["budget_bytes"] == BUDGET and 0 < summary["peak_object_store_bytes"] <= BUDGET
+    assert summary["actors_per_worker"] == 1 and summary["workers"] == 2
+    assert not (killed / "store").exists()  # no tee: nothing stored
+    rates = json.loads((reference / "train" / "metrics.json").read_text())["stream"]
+    assert rates["bound"] in ("inference", "training") and rates["actors_per_worker_suggested"] >= 1
+
+
+@pytest.mark.slow
+def test_a_killed_stream_resumes_to_the_uninterrupted_run_training_each_sample_once(runs):
+    """SIGKILL of the whole run's process group between two checkpoints; the rerun resumes
+    from the latest and ends equal to the uninterrupted run, and over both runs every train
+    sample of each complete epoch was trained exactly once (the last record of each batch)."""
+    reference, killed, _, kill_step = runs
+    assert 5 <= kill_step < 11
+    assert records(killed) == records(reference)
+    a, b = weights(reference), weights(killed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    train_ids = sorted(r["id"] for r in corpus_rows(killed) if r["split"] == "train" and r["input_ids"])
+    by_epoch = trained_by_epoch(killed)
+    last = records(killed)[-1]["epoch"]
+    assert sorted(by_epoch) == list(range(last + 1)) and last >= 2
+    for epoch in range(last):  # the complete epochs: each train sample once
+        assert sorted(by_epoch[epoch]) == train_ids, epoch
+    assert len(set(by_epoch[last])) == len(by_epoch[last]) and set(by_epoch[last]) <= set(train_ids)
+    assert trained_by_epoch(reference) == by_epoch
