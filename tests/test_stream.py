@@ -29,7 +29,7 @@ from workflows.core.config import compose
 from workflows.train.checkpoint import latest_ray_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-BUDGET = 2_000_000  # bytes: 3 pipelines x 6 shards of the tiny target's ~0.1 MB fit, with room
+BUDGET = 1_500_000  # bytes: 2 pipelines x 6 shards of the tiny target's ~0.08 MB fit, with room
 TRAIN = (
     "stages=[train]",
     "train.steps=12",
@@ -38,26 +38,28 @@ TRAIN = (
     "train.log_every=1",
     "train.num_workers=2",
     "capture.actors=2",
-    "train.max_seq_len=40",  # some samples are longer: truncated and counted, as on the store path
+    "train.max_seq_len=42",  # some samples are longer: truncated and counted, as on the store path
     f"train.stream_budget_bytes={BUDGET}",
 )
 
 
 def overrides(tiny_target, run_dir, *extra) -> list[str]:
+    """The `corpus` fixture's settings (tests.helpers.cfg_for), on a Ray of its own size."""
     return [
         "target=tiny",
+        "mixture=bundled",
         f"cache_dir={tiny_target.parent.parent}",
         f"run_dir={run_dir}",
-        "mixture=bundled",
-        "data.limit=16",
-        "data.max_new_tokens=24",
+        "data.limit=12",
+        "data.max_new_tokens=16",
         "data.heldout_fraction=0.25",
-        "capture.shard_samples=4",
+        "capture.shard_samples=3",
+        "capture.micro_batch_tokens=256",
+        "cluster.dashboard=false",
         "data.dtype=float32",
         "capture.dtype=float32",
         "train.compute_dtype=float32",
         "train.optim.lr=3e-3",
-        "cluster.dashboard=false",
         "train.packing=false",
         "train.batch_size=2",
         *extra,
@@ -104,14 +106,13 @@ def trained_by_epoch(run_dir: Path) -> dict[int, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_target, tmp_path_factory):
+def runs(tiny_target, corpus, tmp_path_factory):
     """(uninterrupted, killed and resumed, from the teed store) run folders, and the kill's step."""
     base = tmp_path_factory.mktemp("stream")
-    corpus = base / "corpus"
-    full.run(compose(overrides(tiny_target, corpus, "stages=[target,generate,vocab]")))
     reference, killed, stored = base / "reference", base / "killed", base / "stored"
-    for folder in (reference, killed):
-        shutil.copytree(corpus, folder)
+    shutil.copytree(corpus / "generate", reference / "generate")
+    full.run(compose(overrides(tiny_target, reference, "stages=[vocab]")))
+    shutil.copytree(reference, killed)
     ref = start(tiny_target, reference, *TRAIN, "train.data_source=stream", "train.stream_tee=true")
     proc = start(tiny_target, killed, *TRAIN, "train.data_source=stream")
     try:
@@ -155,7 +156,7 @@ def test_streaming_trains_exactly_as_the_store_path(runs):
     for k in ("samples", "tokens", "truncated"):
         assert m_stream["stream"][k] == m_store["stream"][k], k
     # The corpus has samples past train.max_seq_len, so that both paths cut (and count) them
-    assert any(len(r["input_ids"]) > 40 for r in corpus_rows(reference) if r["split"] == "train")
+    assert any(len(r["input_ids"]) > 42 for r in corpus_rows(reference) if r["split"] == "train")
     assert m_stream["eval_samples"] == m_store["eval_samples"]
 
 

@@ -240,7 +240,7 @@ class TrainSection(LoopConfig):
     # auto = the store when the capture stage has finished in run_dir, else online.
     data_source: Literal["auto", "store", "online", "stream"] = "auto"
     # stream: object-store bytes of states in flight (Ray Data's resource limit, shared out
-    # over the workers' pipelines and the held-out one): the engine actors wait when full.
+    # over the workers' pipelines): the engine actors wait when it is full.
     stream_budget_bytes: int = field(default=1 << 30, metadata=NOT_OUTPUT)
     # stream: also write and commit each shard to the store (capture.store) the first time
     # it streams, so that a later run can train from the store (stages=[capture] verifies it).

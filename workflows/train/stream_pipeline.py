@@ -4,14 +4,14 @@ Each training rank gets its own dataset (`train_<rank>`): its shards of each epo
 as the store path deals them (workflows.train.data.my_shards), one row per shard in that
 order, mapped by a pool of engine actors (`StatesActor`: the capture stage's engine and
 shard code, workflows.core.shard_states) with `preserve_order`, so that a rank's batches
-are a function of the seed alone. Ray Data's `streaming_split` would balance one pool over
-the ranks instead, but deals blocks to whichever rank asks first: not reproducible, so
-not resumable exactly; one pool per rank is. `heldout` holds the held-out shards rank 0
-evaluates on (the first `train.eval_max_samples` samples, store order), one actor.
+are a function of the seed alone. Ray Data's `streaming_split`
+would balance one pool over the ranks instead, but deals blocks to whichever rank asks
+first: not reproducible, so not resumable exactly; one pool per rank is. Rank 0's dataset
+opens with the held-out shards it evaluates on (epoch -1).
 
 The states in flight are bounded by Ray Data's own resource limits: each dataset's
-executor gets `train.stream_budget_bytes / (workers + 1)` of object store, and Ray Data's
-backpressure holds the engine actors back when its share is full. `ObjectStorePeak`
+executor gets its share of `train.stream_budget_bytes` (workflows.train.streaming.
+data_limit), and Ray Data's backpressure holds the engine actors back when it is full. `ObjectStorePeak`
 measures what the object store really held meanwhile.
 """
 

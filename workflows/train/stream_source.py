@@ -21,6 +21,7 @@ it trains again, so the last line of each (epoch, batch) is what trained.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -78,6 +79,8 @@ class StreamSource:
         self.position = dict(state) if state else {"epoch": 0, "batches": 0}
         rows = ray.train.get_dataset_shard(f"train_{rank}").iter_rows()
         self._rows = iter(rows)
+        if rank == 0:
+            self._read_heldout()
         folder = Path(self.job.config.run_dir) / "train" / LEDGER
         folder.mkdir(parents=True, exist_ok=True)
         self._ledger = open(folder / f"rank{rank}.jsonl", "a")
@@ -98,18 +101,20 @@ class StreamSource:
         return self.position["epoch"]
 
     def heldout_batches(self, batch_size: int, max_seq_len: int, pad_id: int, max_samples: int) -> Iterator[dict]:
-        """Rank 0's held-out batches: the `heldout` dataset's shards (computed once, by its
-        own engine actor, at the first evaluation), batched as the store's."""
-        import ray.train
-
-        if self._heldout is None:
-            shards = {}
-            for row in ray.train.get_dataset_shard("heldout").iter_rows():
-                shard = self._tensors(row)
-                shards[row["shard"]] = list(shard_samples(shard, self.job.state_dtype, range(len(row["sample_ids"]))))
-            self._heldout = SamplesInMemory(shards, self.url)
+        """Rank 0's held-out batches, batched as the store's: the shards its stream opened
+        with (epoch -1), read once and kept."""
         names = list(self._heldout.shards)
         return eval_batches(self._heldout, names, batch_size, max_seq_len, pad_id, max_samples=max_samples)
+
+    def _read_heldout(self) -> None:
+        shards = {}
+        row = next(self._rows, None)
+        while row is not None and int(row["epoch"]) == -1:
+            shard = self._tensors(row)
+            shards[row["shard"]] = list(shard_samples(shard, self.job.state_dtype, range(len(row["sample_ids"]))))
+            row = next(self._rows, None)
+        self._rows = itertools.chain([row] if row is not None else [], self._rows)
+        self._heldout = SamplesInMemory(shards, self.url)
 
     def counts(self) -> dict:
         c = self._counts

@@ -3,7 +3,8 @@ compute while they train; nothing is stored unless `train.stream_tee=true`.
 
 The driver plans the corpus into capture shards as the capture stage does
 (workflows.core.shard_plan, into `train/stream/plan.parquet`), builds one Ray Data
-dataset per training rank and one of held-out shards (workflows.train.stream_pipeline),
+dataset per training rank, rank 0's opening with the held-out shards
+(workflows.train.stream_pipeline),
 and hands them to Ray Train (`datasets=`, each rank reading its own through
 `get_dataset_shard`; workflows.train.stream_source). Each epoch re-streams: the states
 are recomputed, a deterministic function of the sample and the target, so a resume is
@@ -58,7 +59,7 @@ def start_ray(cfg: FullConfig, actors: int) -> None:
     import ray
 
     t, c = cfg.train, cfg.capture
-    need = t.num_workers * t.cpus_per_worker + (t.num_workers * actors + 1) * c.cpus_per_actor
+    need = t.num_workers * t.cpus_per_worker + t.num_workers * actors * c.cpus_per_actor
     cluster = cfg.cluster
     if cluster.address is None and cluster.num_cpus is None:
         cluster = dataclasses.replace(cluster, num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
@@ -69,7 +70,7 @@ def start_ray(cfg: FullConfig, actors: int) -> None:
     if have < need:
         raise ConfigError(
             f"train.data_source=stream: {t.num_workers} training worker(s) x {t.cpus_per_worker:g} CPU and "
-            f"{t.num_workers * actors + 1} engine actor(s) x {c.cpus_per_actor:g} CPU need {need:g} CPUs, the "
+            f"{t.num_workers * actors} engine actor(s) x {c.cpus_per_actor:g} CPU need {need:g} CPUs, the "
             f"Ray cluster has {have:g}: lower capture.actors or train.num_workers, or raise cluster.num_cpus"
         )
 
@@ -99,22 +100,22 @@ SHARDS_IN_FLIGHT = 6
 
 
 def data_limit(budget: int, world: int, shard_bytes: int) -> int:
-    """Ray Data's object-store limit for each of the `world + 1` pipelines so that together
+    """Ray Data's object-store limit for each of the `world` pipelines so that together
     they stay within `budget`: its share less the two shards outside Ray Data's count (the
     one its trainer holds, the one an engine is writing); a budget below SHARDS_IN_FLIGHT
     shards a pipeline cannot be honoured, and is refused."""
-    share = budget // (world + 1)
+    share = budget // world
     if share < SHARDS_IN_FLIGHT * shard_bytes:
         raise ConfigError(
-            f"train.stream_budget_bytes={budget}: {world + 1} pipelines (one per training worker, one held-out) "
+            f"train.stream_budget_bytes={budget}: {world} pipeline(s) (one per training worker) "
             f"each hold up to {SHARDS_IN_FLIGHT} shards of states in flight, {shard_bytes} bytes each at most "
-            f"here: at least {(world + 1) * SHARDS_IN_FLIGHT * shard_bytes}; raise it, or lower capture.shard_samples"
+            f"here: at least {world * SHARDS_IN_FLIGHT * shard_bytes}; raise it, or lower capture.shard_samples"
         )
     return share - 2 * shard_bytes
 
 
 def datasets_for(cfg, target_path, layout, plan_file, counts, heldout, positions, remaining, tee, shard_bytes):
-    """The ranks' datasets and the held-out one, each mapped by its own engine actors."""
+    """The ranks' datasets, each mapped by its own engine actors."""
     import ray
     import ray.train
     from ray.data import ExecutionOptions, ExecutionResources
@@ -132,13 +133,16 @@ def datasets_for(cfg, target_path, layout, plan_file, counts, heldout, positions
                 item["tee"] = True
                 teed.add(item["shard"])
         datasets[f"train_{rank}"] = (items, per_worker)
+    # Rank 0's stream opens with the held-out shards it evaluates on (the first
+    # train.eval_max_samples samples, store order; epoch -1): no engine of their own.
     eval_items, total = [], 0
     for name in heldout:
         if total >= t.eval_max_samples:
             break
-        eval_items.append({"epoch": 0, "shard": name, "first": total, "skip": 0, "tee": False})
+        eval_items.append({"epoch": -1, "shard": name, "first": total, "skip": 0, "tee": False})
         total += counts[name]
-    datasets["heldout"] = (eval_items, 1)
+    items, actors = datasets["train_0"]
+    datasets["train_0"] = (eval_items + items, actors)
     kwargs = {
         "plan_file": str(plan_file),
         "backend": c.backend,
