@@ -189,3 +189,39 @@ def test_a_killed_stream_resumes_to_the_uninterrupted_run_training_each_sample_o
         assert sorted(by_epoch[epoch]) == train_ids, epoch
     assert len(set(by_epoch[last])) == len(by_epoch[last]) and set(by_epoch[last]) <= set(train_ids)
     assert trained_by_epoch(reference) == by_epoch
+
+
+def test_a_resumed_rank_streams_from_the_shard_of_its_window_on():
+    """The rows of a rank's dataset after a checkpoint inside epoch 1's window starting at
+    sample 5: the shards wholly before it are not computed again, the one it starts in is
+    streamed with its first samples skipped, later epochs whole; enough epochs planned."""
+    from workflows.train.data import BatchSettings, my_shards
+    from workflows.train.stream_pipeline import rank_items
+
+    counts = {"train-a": 4, "train-b": 4, "train-c": 2, "heldout-a": 3}
+    settings = BatchSettings(batch_size=2, packing=False)
+    position = {"epoch": 1, "batches": 3, "window_start": 5, "in_window": 1}
+    items, stride = rank_items(counts, 7, 0, 1, position, 10, settings)
+    order = my_shards(["train-a", "train-b", "train-c"], 7, 1, 0, 1)[0]
+    before = counts[order[0]]  # the window starts in the first shard or the second
+    first = [i for i in items if i["epoch"] == 1]
+    if before <= 5:
+        assert [i["shard"] for i in first] == order[1:] and first[0]["first"] == before
+        assert first[0]["skip"] == 5 - before
+    else:
+        assert [i["shard"] for i in first] == order and first[0]["skip"] == 5
+    assert [i["skip"] for i in first[1:]] == [0] * (len(first) - 1) and not stride
+    # 10 batches of at most 2 samples from epochs of 10: 2 more epochs, planned with 2 spare
+    assert sorted({i["epoch"] for i in items}) == [1, 2, 3, 4]
+    for epoch in (2, 3, 4):
+        assert [i["shard"] for i in items if i["epoch"] == epoch] == my_shards(list(counts)[:3], 7, epoch, 0, 1)[0]
+
+
+def test_a_budget_a_pipeline_cannot_hold_is_refused_naming_the_figures():
+    from eagle3.schema import ConfigError
+    from workflows.train.streaming import data_limit
+
+    # 2 pipelines x 6 shards of 100 bytes: 1200 at least; Ray Data gets each share less 2 shards
+    assert data_limit(1200, 2, 100) == 400
+    with pytest.raises(ConfigError, match=r"train.stream_budget_bytes=1199: .* at least 1200; raise it"):
+        data_limit(1199, 2, 100)

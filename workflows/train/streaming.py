@@ -14,15 +14,13 @@ store, the engine actors and the corpus's skipped samples.
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import warnings
 from pathlib import Path
 
 from eagle3.schema import ConfigError, output_dict
 from storage.states import state_bytes_per_token
 from storage.store import HiddenStateStore
-from workflows.core.cluster import ensure_ray
+from workflows.core.cluster import STREAM_SYSTEM_CONFIG, ensure_ray, stream_cpus
 from workflows.core.config import FullConfig
 from workflows.core.engines import engine_class
 from workflows.core.errors import InputError
@@ -52,26 +50,21 @@ def actors_per_worker(cfg: FullConfig) -> int:
     return max(1, round(cfg.capture.actors / cfg.train.num_workers))
 
 
-def start_ray(cfg: FullConfig, actors: int) -> None:
-    """Ray with a CPU for every trainer and engine actor: on a local Ray whose CPU count is
-    not set, as many logical CPUs as they reserve (they share the cores; the engines wait
-    for the trainers' pace anyway); an existing Ray must already have them."""
+def start_ray(cfg: FullConfig) -> None:
+    """Ray with a CPU for every trainer and engine actor: a local Ray started here offers as
+    many logical CPUs as they reserve (they share the cores; the engines wait for the
+    trainers' pace anyway); a Ray already running must have them."""
     import ray
 
-    t, c = cfg.train, cfg.capture
-    need = t.num_workers * t.cpus_per_worker + t.num_workers * actors * c.cpus_per_actor
-    cluster = cfg.cluster
-    if cluster.address is None and cluster.num_cpus is None:
-        cluster = dataclasses.replace(cluster, num_cpus=max(os.cpu_count() or 1, int(need + 0.999)))
-    # Ray frees objects in batches once a second by default; a stream turns several blocks of
-    # states over a second, so prompt frees keep the object store at what is really in flight.
-    ensure_ray(cluster, system_config={"free_objects_period_milliseconds": 20})
+    need = stream_cpus(cfg)
+    ensure_ray(cfg.cluster, system_config=STREAM_SYSTEM_CONFIG, min_cpus=need)
     have = ray.cluster_resources().get("CPU", 0)
     if have < need:
+        t, c = cfg.train, cfg.capture
         raise ConfigError(
             f"train.data_source=stream: {t.num_workers} training worker(s) x {t.cpus_per_worker:g} CPU and "
-            f"{t.num_workers * actors} engine actor(s) x {c.cpus_per_actor:g} CPU need {need:g} CPUs, the "
-            f"Ray cluster has {have:g}: lower capture.actors or train.num_workers, or raise cluster.num_cpus"
+            f"{t.num_workers * actors_per_worker(cfg)} engine actor(s) x {c.cpus_per_actor:g} CPU need {need:g} "
+            f"CPUs, the Ray cluster has {have:g}: lower capture.actors or train.num_workers, or raise cluster.num_cpus"
         )
 
 
@@ -209,7 +202,7 @@ def train_streaming(cfg: FullConfig, layout: RunLayout, target_path, identity, p
             old.unlink()
     step, positions = positions_of(latest, cfg.train.num_workers)
     per_worker = actors_per_worker(cfg)
-    start_ray(cfg, per_worker)
+    start_ray(cfg)
     tee = tee_store(cfg, layout, identity, corpus_sha) if cfg.train.stream_tee else None
     remaining = (cfg.train.steps - step) * cfg.train.grad_accum
     from ray.data import DataContext
