@@ -15,8 +15,9 @@ that window's shard (the samples before it are never recomputed), rebuilds the w
 skips its batches already trained: the batches of an uninterrupted run, bit for bit.
 
 Every batch taken is recorded by sample id in `train/stream/rank<r>.jsonl` (one line per
-batch: epoch, batch number in the epoch, ids); a resume rewrites the lines of the batches
-it trains again, so the last line of each (epoch, batch) is what trained.
+batch: epoch, batch number in the epoch, ids, the engine actors that computed them as
+host:pid); a resume rewrites the lines of the batches it trains again, so the last line of
+each (epoch, batch) is what trained.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class StreamSource:
         self.throughput = {"shards": 0, "state_tokens": 0, "engine_seconds": 0.0, "wait_seconds": 0.0}
         self._heldout: SamplesInMemory | None = None
         self._ledger = None
+        self._engine_of: dict[str, str] = {}  # sample id -> the engine actor that computed it (host:pid)
 
     @property
     def url(self) -> str:
@@ -180,6 +182,7 @@ class StreamSource:
             t["state_tokens"] += int(row["tokens"])
             t["engine_seconds"] += float(row["seconds"])
             epoch, ids = int(row["epoch"]), row["sample_ids"]
+            self._engine_of.update(dict.fromkeys(ids, row["actor"]))
             order = sample_order(len(ids), row["shard"], hash_seed(self.seed, epoch))
             for j, sample in enumerate(shard_samples(self._tensors(row), self.job.state_dtype, order)):
                 if j >= int(row["skip"]):  # trained before the checkpoint this run resumed from
@@ -229,7 +232,8 @@ class StreamSource:
                 "window_rng": before,
                 "in_window": b,
             }
-            self._ledger.write(json.dumps({"epoch": epoch, "batch": taken + b, "ids": ids}) + "\n")
+            engines = sorted({self._engine_of.pop(i, "?") for i in ids})
+            self._ledger.write(json.dumps({"epoch": epoch, "batch": taken + b, "ids": ids, "engines": engines}) + "\n")
             self._ledger.flush()
             self._counts.truncated += truncated
             yield batch
