@@ -35,6 +35,7 @@ from storage.reader import sample_order, shard_samples
 from storage.states import STATE_ARRAYS, states_as_tensors
 from workflows.core.errors import InputError
 from workflows.core.log import log
+from workflows.core.stage_metrics import StageMetrics
 from workflows.train.data import (
     BatchSettings,
     SamplesInMemory,
@@ -87,6 +88,11 @@ class StreamSource:
         folder.mkdir(parents=True, exist_ok=True)
         self._ledger = open(folder / f"rank{rank}.jsonl", "a")
         self._started = time.perf_counter()
+        # The dashboard's view (Ray metrics, tag worker=rank<r>): eagle3_stage_throughput of the
+        # stages "stream_inference" (per engine actor) and "stream_training" (this worker)
+        self._gauges = [
+            StageMetrics(f"stream_{kind}", "tokens", worker=f"rank{rank}") for kind in ("inference", "training")
+        ]
         self._batches = self._stream(self.position)
 
     def next_batch(self) -> dict:
@@ -146,6 +152,13 @@ class StreamSource:
             "actors_per_worker_suggested": math.ceil(training / per_actor) if per_actor else None,
         }
 
+    def _epoch_done(self, epoch: int) -> None:
+        r = self.rates()
+        self._gauges[0].throughput(r["inference_tokens_per_s_per_actor"])
+        self._gauges[1].throughput(r["training_tokens_per_s_per_worker"])
+        if self.rank == 0:
+            self.log_rates(f"epoch {epoch} done")
+
     def log_rates(self, where: str) -> None:
         r = self.rates()
         log(
@@ -196,8 +209,8 @@ class StreamSource:
             if e != epoch:
                 if window:
                     yield from self._window(epoch, start, window, rng)
-                if epoch is not None and self.rank == 0:
-                    self.log_rates(f"epoch {epoch} done")
+                if epoch is not None:
+                    self._epoch_done(epoch)
                 epoch, window = e, []
                 rng = random.Random(f"batches:{self.seed}:{e}:{self.rank}")
                 if e == resume["epoch"] and "window_rng" in resume:
