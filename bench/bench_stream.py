@@ -26,6 +26,7 @@ from pathlib import Path
 
 from bench.bench_train import steady_tokens_per_s
 from workflows import full
+from workflows.core.cluster import STREAM_SYSTEM_CONFIG, ensure_ray, stream_cpus
 from workflows.core.config import compose
 
 
@@ -57,6 +58,10 @@ def main() -> None:
         f"train.log_every={max(1, a.steps // 8)}",
         *a.overrides,
     ]
+    # This process's Ray, started first with a logical CPU for each trainer and engine actor
+    # (as workflows.full does for a stream), serves the source's stages and both runs.
+    probe = compose([*base, "run_dir=unused"]) if a.run_dir else compose(["target=tiny", *base, "run_dir=unused"])
+    ensure_ray(probe.cluster, system_config=STREAM_SYSTEM_CONFIG, min_cpus=stream_cpus(probe))
     source = a.run_dir
     if source is None:
         base = ["target=tiny", "mixture=bundled", "data.limit=48", "data.max_new_tokens=64", *base]
@@ -64,8 +69,6 @@ def main() -> None:
         full.run(compose([*base, f"run_dir={source}", "stages=[target,generate,capture,vocab]"]))
     source = source.resolve()
     cfg = compose([*base, f"run_dir={source}"])
-    # The stream first: it starts this process's Ray with a logical CPU for each trainer and
-    # engine actor (workflows.train.streaming.start_ray); the store run reuses it.
     stream, stream_wall = train_copy(source, scratch, "stream", base, "train.data_source=stream")
     store, store_wall = train_copy(source, scratch, "store", base, "train.data_source=store")
     rates = json.loads((scratch / "stream" / "train" / "metrics.json").read_text())["stream"]
