@@ -255,3 +255,14 @@ def test_a_budget_a_pipeline_cannot_hold_is_refused_naming_the_figures():
     assert data_limit(1200, 2, 100) == 400
     with pytest.raises(ConfigError, match=r"train.stream_budget_bytes=1199: .* at least 1200; raise it"):
         data_limit(1199, 2, 100)
+
+
+def test_streaming_refuses_the_local_backend_naming_both_settings():
+    from eagle3.schema import ConfigError
+    from workflows.core.config import compose
+    from workflows.train.stage import backend_of
+
+    train = compose(["train.data_source=stream", "train.backend=local"]).train
+    with pytest.raises(ConfigError, match=r"train.data_source=stream feeds Ray Train workers: use train.backend=ray"):
+        backend_of(train, "stream")
+    assert backend_of(compose(["train.data_source=stream"]).train, "stream") == "deepspeed"
