@@ -80,6 +80,24 @@ def sample_order(count: int, shard: str, seed: int | None):
     return np.random.default_rng([seed, zlib.crc32(shard.encode())]).permutation(count)
 
 
+def shard_samples(shard: dict, state_dtype: str, order) -> Iterator[dict]:
+    """The samples of one shard whose states are tensors already (`states_as_tensors`), in
+    `order`: views into the shard's buffers. The store's reader and the streaming train
+    source (which receives shards from engine actors) both cut shards into samples here."""
+    ids, off = shard["sample_ids"], shard["offsets"]
+    input_ids = torch.from_numpy(shard["input_ids"].astype(np.int64))
+    loss_mask = torch.from_numpy(shard["loss_mask"].astype(np.int64))
+    states = {k: shard[k] for k in STATE_ARRAYS[state_dtype] if k in shard}
+    for k in order:
+        a, b = int(off[k]), int(off[k + 1])
+        yield {
+            "id": ids[k],
+            "input_ids": input_ids[a:b],
+            "loss_mask": loss_mask[a:b],
+            **{key: v[a:b] for key, v in states.items()},
+        }
+
+
 class StoreReader:
     """`on_corrupt="error"` (default): a committed shard that is missing or corrupt raises
     StoreError naming the store, the shard and the problem. `"skip"`: streaming
@@ -327,16 +345,7 @@ class StoreReader:
         (storage.states.decode_batch makes them bf16, wherever they are then); a bf16 store's
         are bf16 either way."""
         for shard in self._stream(list(shard_names), prefetch, decode=dequantize):
-            ids, off = shard["sample_ids"], shard["offsets"]
-            input_ids = torch.from_numpy(shard["input_ids"].astype(np.int64))
-            loss_mask = torch.from_numpy(shard["loss_mask"].astype(np.int64))
-            states = {k: shard[k] for k in STATE_ARRAYS[self.state_dtype] if k in shard}
-            for k in sample_order(len(ids), shard["shard"], seed):
-                a, b = int(off[k]), int(off[k + 1])
-                yield {
-                    "id": ids[k],
-                    "input_ids": input_ids[a:b],
-                    "loss_mask": loss_mask[a:b],
-                    **{key: v[a:b] for key, v in states.items()},
-                }
-            del shard, input_ids, loss_mask, states  # before the stream reads ahead again
+            yield from shard_samples(
+                shard, self.state_dtype, sample_order(len(shard["sample_ids"]), shard["shard"], seed)
+            )
+            del shard  # before the stream reads ahead again

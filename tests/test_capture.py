@@ -15,8 +15,8 @@ from storage.store import ProvenanceMismatch
 from storage.verify import verify
 from tests.faults import capture_faults
 from tests.helpers import cfg_for, corpus_rows, run_dir_with_corpus
-from workflows.capture import plan as capture_plan
 from workflows.capture import stage as capture
+from workflows.core import shard_plan as capture_plan
 from workflows.core.errors import USER_ERRORS, InputError, StageFailure
 
 

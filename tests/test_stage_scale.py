@@ -11,9 +11,9 @@ import tracemalloc
 
 import pytest
 
-from workflows.capture import plan as capture_plan
 from workflows.capture import stage as capture
 from workflows.capture.writer import CorpusFiles
+from workflows.core import shard_plan as capture_plan
 from workflows.core.config import compose
 from workflows.core.layout import RunLayout
 from workflows.core.markers import mark_done

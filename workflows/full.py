@@ -23,6 +23,7 @@ from workflows import evaluate, export, vocab
 from workflows.capture.stage import capture_main
 from workflows.capture.stage import run as capture
 from workflows.core.cli import hydra_entry
+from workflows.core.cluster import STREAM_SYSTEM_CONFIG, ensure_ray, stream_cpus
 from workflows.core.config import FullConfig
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
@@ -51,10 +52,17 @@ def run(cfg: FullConfig) -> dict:
     if cfg.capture.estimate_only:  # a size projection needs no target and runs nothing
         capture_main(cfg)
         return {}
+    if cfg.train.data_source == "stream" and "train" in cfg.stages:
+        # The first stage to use Ray starts it: with the streaming train stage's CPUs and settings.
+        ensure_ray(cfg.cluster, system_config=STREAM_SYSTEM_CONFIG, min_cpus=stream_cpus(cfg))
     started = time.perf_counter()
     target_path = prepare_for(cfg, log=log)
     outputs, seconds = {"target": target_path}, {"target": round(time.perf_counter() - started, 1)}
     for stage, stage_run in STAGE_RUNS.items():
+        if stage == "capture" and stage in cfg.stages and cfg.train.data_source == "stream":
+            # The train stage streams the states from its own engine actors: no store to build.
+            log("capture: skipped, train.data_source=stream computes the states while training")
+            continue
         if stage in cfg.stages:
             started = time.perf_counter()
             with layout.shared_stage_lock(stage):

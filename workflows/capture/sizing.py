@@ -12,9 +12,9 @@ from eagle3.schema import ConfigError
 from eagle3.target_spec import TargetSpec
 from storage.states import STATE_DTYPES, state_bytes_per_token
 from storage.zarr_io import is_remote
-from workflows.capture.plan import SPLITS, CorpusSamples
 from workflows.core.config import CaptureSection, DataSection
 from workflows.core.layout import RunLayout
+from workflows.core.shard_plan import SPLITS, CorpusSamples
 
 
 def bytes_per_token(n_aux: int, hidden_size: int, state_dtype: str = "bfloat16") -> int:

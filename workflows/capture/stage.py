@@ -32,7 +32,6 @@ from eagle3.layer_ids import validate_capture_ids
 from eagle3.schema import ConfigError, output_dict
 from storage.store import HiddenStateStore, state_dtype_of
 from storage.verify import verify
-from workflows.capture.plan import plan_corpus, select_plans
 from workflows.capture.sizing import check_space, corpus_figures, estimate, measured_capture_tokens_per_s, projection
 from workflows.capture.writer import CorpusFiles, ShardRef, capture_and_write
 from workflows.core.cluster import ensure_ray
@@ -46,8 +45,9 @@ from workflows.core.markers import (
     run_stage,
     write_json_atomic,
 )
-from workflows.core.precision import engine_dtype
 from workflows.core.provenance import CAPTURE_CONTRACT, store_provenance, target_identity
+from workflows.core.shard_plan import plan_corpus, select_plans
+from workflows.core.shard_states import engine_spec
 from workflows.core.stage_metrics import StageMetrics
 from workflows.core.targets import check_checkpoint, prepare_for
 
@@ -256,22 +256,7 @@ def _capture_with_ray(
     # would otherwise be read as one block, i.e. one task on one actor).
     calls = math.ceil(pq.ParquetFile(todo).metadata.num_rows / c.shards_per_call)
     ds = ray.data.read_parquet(str(todo)).repartition(max(1, calls))
-    # One engine per actor, on the GPUs Ray gave it (an SGLang actor is one TP group).
-    engine = {
-        "target_path": str(target_path),
-        "capture_ids": cfg.store_capture_ids,
-        "dtype": engine_dtype(cfg.capture),
-        "micro_batch_tokens": c.micro_batch_tokens,
-        "trust_remote_code": cfg.target.trust_remote_code,
-        "threads": max(1, int(c.cpus_per_actor)),
-        "device": "cuda" if c.gpus_per_actor else "cpu",
-        "tp_size": cfg.target.tp_size if c.backend == "sglang" else 1,
-        "seed": cfg.seed,
-        "final_state": c.final_state,
-        "timeout_s": c.engine_timeout_s,
-        # SGLang sizes its own KV pool on GPUs (the 4096-token CPU default would refuse long samples).
-        "max_total_tokens": None if c.gpus_per_actor else 4096,
-    }
+    engine = engine_spec(cfg, target_path)
     with warnings.catch_warnings():
         # Ray 2.60 has named parameters for resources but none yet for actor restarts: bounded
         # restarts still go through **ray_remote_args, whose deprecation warning says only that.

@@ -10,6 +10,7 @@ reused as it is, so no stage decides the dashboard or the address for another.
 
 from __future__ import annotations
 
+import math
 import os
 
 from workflows.core.config import PROJECT_ROOT, ClusterSection, ConfigError
@@ -38,7 +39,24 @@ def runtime_env(cluster: ClusterSection) -> dict:
     return {"env_vars": {"PYTHONPATH": pythonpath}}
 
 
-def ensure_ray(cluster: ClusterSection) -> None:
+# A local Ray for a stream of states (train.data_source=stream): Ray frees objects in batches
+# once a second by default; a stream turns several blocks of states over a second, so prompt
+# frees keep the object store at what is really in flight.
+STREAM_SYSTEM_CONFIG = {"free_objects_period_milliseconds": 20}
+
+
+def stream_cpus(cfg) -> float:
+    """The CPUs a streaming train stage reserves: its training workers and their engine
+    actors (`capture.actors` shared out over the workers, at least one each)."""
+    t, c = cfg.train, cfg.capture
+    actors = max(1, round(c.actors / t.num_workers))
+    return t.num_workers * t.cpus_per_worker + t.num_workers * actors * c.cpus_per_actor
+
+
+def ensure_ray(cluster: ClusterSection, system_config: dict | None = None, min_cpus: float = 0) -> None:
+    """`system_config`: Ray's own settings for a local Ray started here (`_system_config`);
+    `min_cpus`: the logical CPUs it must offer at least (a stream's trainers and engines
+    share the cores; null `cluster.num_cpus` would otherwise offer one per core)."""
     import ray
 
     if ray.is_initialized():
@@ -63,10 +81,11 @@ def ensure_ray(cluster: ClusterSection) -> None:
     # num_cpus while at it, or fail on a stale record of one that has gone.
     ray.init(
         address="local",
-        num_cpus=cluster.num_cpus or os.cpu_count(),
+        num_cpus=cluster.num_cpus or max(os.cpu_count() or 1, math.ceil(min_cpus)),
         include_dashboard=cluster.dashboard,
         dashboard_host=cluster.dashboard_host,
         _node_ip_address="127.0.0.1",
         **port,
         **common,
+        **({"_system_config": system_config} if system_config else {}),
     )

@@ -247,9 +247,17 @@ class TrainSection(LoopConfig):
     compute_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     # Target precision while computing its states for training ("online" capture).
     capture_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    # Where the target states come from: the capture stage's store, or computed here
-    # ("online"); auto = the store when the capture stage has finished in run_dir.
-    data_source: Literal["auto", "store", "online"] = "auto"
+    # Where the target states come from: the capture stage's store, computed here
+    # ("online"), or "stream": engine actors (capture.backend, capture.actors shared out over
+    # the workers) compute them while Ray Train trains, through Ray Data, nothing stored;
+    # auto = the store when the capture stage has finished in run_dir, else online.
+    data_source: Literal["auto", "store", "online", "stream"] = "auto"
+    # stream: object-store bytes of states in flight (Ray Data's resource limit, shared out
+    # over the workers' pipelines): the engine actors wait when it is full.
+    stream_budget_bytes: int = field(default=1 << 30, metadata=NOT_OUTPUT)
+    # stream: also write and commit each shard to the store (capture.store) the first time
+    # it streams, so that a later run can train from the store (stages=[capture] verifies it).
+    stream_tee: bool = field(default=False, metadata=NOT_OUTPUT)
 
     def validate(self, where: str = "train") -> None:
         super().validate(where)
@@ -268,6 +276,7 @@ class TrainSection(LoopConfig):
             prefetch_batches=">=1",
             keep_checkpoints=">=1",
             eval_max_samples=">=1",
+            stream_budget_bytes=">=1",
         )
         # A worker trains on one device, the one DeepSpeed and the batches share
         # (workflows.train.ray_job): a GPU fraction would put several ranks on one GPU, more

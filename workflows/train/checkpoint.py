@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ from safetensors.torch import save_file
 
 from eagle3.schema import ConfigError
 from eagle3.weight_average import WeightAverage
+from workflows.core.log import log
 from workflows.core.markers import read_json, write_json_atomic
 
 DRAFT = "draft"
@@ -131,3 +133,18 @@ def latest_checkpoint(train_dir: Path, backend: str) -> Path | None:
         return latest_ray_checkpoint(train_dir)
     folder = train_dir / "checkpoint"
     return folder if (folder / "loop_rank0.json").exists() else None
+
+
+def resumable_checkpoint(resume: bool, layout, backend: str, fields: dict) -> Path | None:
+    """The latest checkpoint to resume from (None: start afresh, the old ones removed when
+    `resume` is off); one whose data, maths or schedule differ is refused here, naming them,
+    before any worker starts."""
+    out = layout.stage_dir("train")
+    if not resume:
+        for folder in (ray_run_dir(out), layout.checkpoint_dir):
+            shutil.rmtree(folder, ignore_errors=True)
+    latest = latest_checkpoint(out, backend)
+    if latest is not None:
+        state = check_resumable(latest, fields)
+        log(f"train: resuming from step {state['step']} ({latest})")
+    return latest

@@ -73,21 +73,36 @@ def my_shards(shards: list[str], seed: int, epoch: int, rank: int, world: int) -
     return order, True
 
 
-def window_batches(samples: list[dict], s: BatchSettings, rng: random.Random, counts: StreamCounts) -> list[dict]:
+def window_batches(samples: list[dict], s: BatchSettings, rng: random.Random) -> list[tuple[dict, list[str], int]]:
+    """A window's batches in the seeded order, each with the ids of its samples and how many
+    of them were cut to `max_seq_len` (counted when the batch is trained, not when its
+    window is made: a prefetching loader makes windows ahead of training)."""
     if s.packing:
         packed = pack_samples(samples, s.max_seq_len, s.pad_id, s.rows_per_batch)
-        counts.truncated += packed.truncated
-        batches = packed.batches
+        groups = [packed.rows[i : i + s.rows_per_batch] for i in range(0, len(packed.rows), s.rows_per_batch)]
+        members = [[samples[k] for row in group for k in row] for group in groups]
+        batches = [
+            (batch, [x["id"] for x in group], sum(len(x["input_ids"]) > s.max_seq_len for x in group))
+            for batch, group in zip(packed.batches, members)
+        ]
     else:
         cut = []
         for x in samples:
             if len(x["input_ids"]) > s.max_seq_len:
-                counts.truncated += 1
                 x = {k: (v[: s.max_seq_len] if k != "id" else v) for k, v in x.items()}
+                x["truncated"] = True
             cut.append(x)
         cut.sort(key=lambda x: (len(x["input_ids"]), x["id"]))  # little padding inside a batch
-        batches = [collate_samples(cut[i : i + s.batch_size], s.pad_id) for i in range(0, len(cut), s.batch_size)]
-    rng.shuffle(batches)
+        groups = [cut[i : i + s.batch_size] for i in range(0, len(cut), s.batch_size)]
+        batches = [
+            (
+                collate_samples([{k: v for k, v in x.items() if k != "truncated"} for x in group], s.pad_id),
+                [x["id"] for x in group],
+                sum("truncated" in x for x in group),
+            )
+            for group in groups
+        ]
+    rng.shuffle(batches)  # draws on the length alone: the same order whatever a batch holds
     return batches
 
 
@@ -136,7 +151,7 @@ class BatchStream:
         self._thread = threading.Thread(target=self._produce, name="batch-prefetch", daemon=True)
         self._thread.start()
 
-    def epoch_batches(self, epoch: int) -> Iterator[dict]:
+    def epoch_batches(self, epoch: int) -> Iterator[tuple[dict, list[str], int]]:
         names, stride = my_shards(self.shards, self.seed, epoch, self.rank, self.world)
         rng = random.Random(f"batches:{self.seed}:{epoch}:{self.rank}")
         window: list[dict] = []
@@ -145,22 +160,22 @@ class BatchStream:
                 continue
             window.append(sample)
             if len(window) == self.settings.window:
-                yield from window_batches(window, self.settings, rng, self.counts)
+                yield from window_batches(window, self.settings, rng)
                 window = []
         if window:
-            yield from window_batches(window, self.settings, rng, self.counts)
+            yield from window_batches(window, self.settings, rng)
 
     def _produce(self) -> None:
         try:
             epoch, skip = self.position.epoch, self.position.batches
             while not self._stop.is_set():
                 n = 0
-                for n, batch in enumerate(self.epoch_batches(epoch), start=1):
+                for n, (batch, _, truncated) in enumerate(self.epoch_batches(epoch), start=1):
                     if n <= skip:  # already trained on before the checkpoint
                         continue
                     if self.pin:
                         batch = {k: v.pin_memory() for k, v in batch.items()}
-                    self._put(("batch", epoch, n, batch))
+                    self._put(("batch", epoch, n, (batch, truncated)))
                     if self._stop.is_set():
                         return
                 if n == 0:
@@ -188,6 +203,8 @@ class BatchStream:
         if kind == "error":
             raise payload
         self.position = StreamPosition(epoch, n)
+        payload, truncated = payload
+        self.counts.truncated += truncated
         tokens = int(payload["attention_mask"].sum())
         self.counts.samples += int(payload["segment_ids"].max(dim=-1).values.add(1).sum())
         self.counts.tokens += tokens

@@ -71,8 +71,12 @@ def trainer_class():
     return TorchTrainerWithoutCleaner
 
 
-def run_with_ray(train: TrainSection, cluster: ClusterSection, job: TrainJob, train_dir: Path) -> None:
-    """The job on Ray Train: `train.num_workers` workers on the `cluster` (started or joined)."""
+def run_with_ray(
+    train: TrainSection, cluster: ClusterSection, job: TrainJob, train_dir: Path, datasets=None, data_config=None
+) -> None:
+    """The job on Ray Train: `train.num_workers` workers on the `cluster` (started or joined);
+    `datasets` and `data_config`: Ray Data datasets the workers read through
+    `ray.train.get_dataset_shard` (the streaming source, workflows.train.streaming)."""
     import ray.train
     from ray.train.torch import TorchConfig
 
@@ -87,6 +91,7 @@ def run_with_ray(train: TrainSection, cluster: ClusterSection, job: TrainJob, tr
             num_workers=train.num_workers, use_gpu=use_gpu, resources_per_worker=resources
         ),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        **({"datasets": datasets, "dataset_config": data_config} if datasets else {}),
         run_config=ray.train.RunConfig(
             name=ckpt.RAY_RUN_NAME,
             storage_path=str(ckpt.ray_run_dir(train_dir).parent),

@@ -26,7 +26,6 @@ Outputs in `<run_dir>/train/`:
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from pathlib import Path
 
 import torch
@@ -42,9 +41,10 @@ from workflows.core.log import log
 from workflows.core.markers import read_json, run_stage
 from workflows.core.precision import resolve
 from workflows.core.provenance import FINAL_IS_NORMED, capture_contract, draft_provenance, target_identity
-from workflows.train import checkpoint as ckpt
+from workflows.train.checkpoint import resumable_checkpoint
 from workflows.train.data import SamplesInMemory
-from workflows.train.trainer import Trainer, TrainJob
+from workflows.train.sources import ShardSource
+from workflows.train.trainer import Trainer, TrainJob, job_config
 
 
 def data_source(train: TrainSection, layout: RunLayout) -> str:
@@ -54,6 +54,11 @@ def data_source(train: TrainSection, layout: RunLayout) -> str:
 
 
 def backend_of(train: TrainSection, source: str) -> str:
+    if source == "stream" and train.backend == "local":
+        raise ConfigError(
+            "train.data_source=stream feeds Ray Train workers: use train.backend=ray (or auto); "
+            "train.data_source=online computes the states in this process"
+        )
     if source == "online":
         if train.backend == "ray":
             raise ConfigError(
@@ -131,12 +136,21 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         "target": identity,
         "capture_layer_ids": cfg.draft_capture_ids,
         **layout.chain("generate", "vocab", *(["capture"] if source == "store" else [])),
+        # Streamed states are computed as the capture stage would: its output settings make them.
+        **({"capture": output_dict(cfg.capture)} if source == "stream" else {}),
     }
 
     def build() -> dict:
         provenance = draft_provenance(cfg, identity, vocab_summary)
         if backend == "online":
             final = train_online(cfg, layout, target_path, provenance)
+        elif source == "stream":
+            from workflows.train.streaming import train_streaming
+
+            def fields_of(data_key: str) -> dict:
+                return resume_fields(cfg.train, cfg.draft, cfg.seed, backend, data_key)
+
+            final = train_streaming(cfg, layout, target_path, identity, provenance, fields_of)
         else:
             final = train_from_store(cfg, layout, target_path, identity, provenance, backend)
         log(
@@ -149,36 +163,11 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
     return run_stage("train", out, key, build)
 
 
-def resumable_checkpoint(resume: bool, layout: RunLayout, backend: str, fields: dict) -> Path | None:
-    """The latest checkpoint to resume from (None: start afresh, the old ones removed when
-    `resume` is off); one whose data, maths or schedule differ is refused here, naming them,
-    before any worker starts."""
-    out = layout.stage_dir("train")
-    if not resume:
-        for folder in (ckpt.ray_run_dir(out), layout.checkpoint_dir):
-            shutil.rmtree(folder, ignore_errors=True)
-    latest = ckpt.latest_checkpoint(out, backend)
-    if latest is not None:
-        state = ckpt.check_resumable(latest, fields)
-        log(f"train: resuming from step {state['step']} ({latest})")
-    return latest
-
-
 def store_expectation(cfg: FullConfig, identity: dict) -> dict:
     """The capture contract the train stage holds a store to: every field but the capture
     ids, of which the store must hold the draft's (the reader checks them)."""
     contract = capture_contract(cfg.target, cfg.capture, identity, cfg.store_capture_ids)
     return {k: v for k, v in contract.items() if k != "capture_layer_ids"}
-
-
-def job_config(cfg: FullConfig) -> FullConfig:
-    """The config as the workers get it. Secrets stay out of what crosses Ray: the store's
-    credentials travel once, in the job's storage_options; the target's env is not needed."""
-    return dataclasses.replace(
-        cfg,
-        capture=dataclasses.replace(cfg.capture, storage_options={}),
-        target=dataclasses.replace(cfg.target, env={}),
-    )
 
 
 def train_from_store(
@@ -302,5 +291,6 @@ def train_online(cfg: FullConfig, layout: RunLayout, target_path: Path, provenan
         backend="plain",
         pad_id=pad_id,
     )
-    Trainer(job, samples=SamplesInMemory(shards, job.store_url)).fit(latest)
+    source = ShardSource(SamplesInMemory(shards, job.store_url), job.train_shards, job.heldout_shards)
+    Trainer(job, source=source).fit(latest)
     return read_json(layout.metrics_file)

@@ -19,6 +19,7 @@ to workers that may run on another node of the cluster.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +38,9 @@ from workflows.core.log import log
 from workflows.core.markers import atomic_dir, write_json_atomic
 from workflows.core.target_weights import read_embeddings, read_head_and_norm, read_target_head
 from workflows.train import checkpoint as ckpt
-from workflows.train.data import BatchSettings, BatchStream, StreamPosition, eval_batches, to_device
+from workflows.train.data import BatchSettings, to_device
 from workflows.train.evaluation import evaluate_heldout
+from workflows.train.sources import ShardSource
 from workflows.train.tracking import Tracker
 
 
@@ -57,6 +59,22 @@ class TrainJob:
     heldout_shards: list[str]
     backend: str  # "deepspeed" (a Ray Train worker) or "plain" (this process)
     pad_id: int = 0  # the online engine's pad id; store batches pad with 0 (masked either way)
+    # "store": the store's shards; "stream": states from engine actors through Ray Data
+    # (workflows.train.stream_source); online states are handed to the Trainer as a source.
+    source: str = "store"
+    state_dtype: str = "bfloat16"  # the stream's states, as the store would hold them
+    stream_stride: bool = False  # the stream: fewer train shards than workers, ranks stride over samples
+    stream_actors_per_worker: int = 0  # the stream: engine actors feeding each training worker
+
+
+def job_config(cfg: FullConfig) -> FullConfig:
+    """The config as the workers get it. Secrets stay out of what crosses Ray: the store's
+    credentials travel once, in the job's storage_options; the target's env is not needed."""
+    return dataclasses.replace(
+        cfg,
+        capture=dataclasses.replace(cfg.capture, storage_options={}),
+        target=dataclasses.replace(cfg.target, env={}),
+    )
 
 
 def batch_settings(train, pad_id: int) -> BatchSettings:
@@ -169,9 +187,22 @@ def deepspeed_args(device: torch.device):
     return SimpleNamespace(device_rank=torch.cuda.current_device() if device.index is None else device.index)
 
 
+def job_source(job: TrainJob, on_corrupt: str):
+    """The job's batch source on this worker: the store's shards, or the stream."""
+    if job.source == "stream":
+        from workflows.train.stream_source import StreamSource
+
+        return StreamSource(job)
+    reader = StoreReader(
+        job.store_url, job.storage_options, expect=job.expect, on_corrupt=on_corrupt, aux_layers=job.aux_layers
+    )
+    return ShardSource(reader, job.train_shards, job.heldout_shards)
+
+
 class Trainer:
-    def __init__(self, job: TrainJob, rank: int = 0, world: int = 1, device: torch.device | None = None, samples=None):
-        """`samples`: a reader of the job's shards held in memory (online states); None: the store."""
+    def __init__(self, job: TrainJob, rank: int = 0, world: int = 1, device: torch.device | None = None, source=None):
+        """`source`: where the batches come from (workflows.train.sources); None: the job's
+        (the store's shards, or the stream of engine actors on a Ray Train worker)."""
         self.job, self.rank, self.world = job, rank, world
         self.cfg = cfg = job.config
         self.loop_cfg = cfg.train
@@ -183,17 +214,7 @@ class Trainer:
         ).to(self.device)
         head_dtype = torch.bfloat16 if cfg.train.compute_dtype == "bfloat16" else torch.float32
         self.head = read_target_head(Path(job.target_path), job.final_is_normed).to(self.device, head_dtype)
-        self.reader = (
-            samples
-            if samples is not None
-            else StoreReader(
-                job.store_url,
-                job.storage_options,
-                expect=job.expect,
-                on_corrupt=cfg.train.on_corrupt_shard,
-                aux_layers=job.aux_layers,
-            )
-        )
+        self.source = source if source is not None else job_source(job, cfg.train.on_corrupt_shard)
         self.opt = (
             DeepSpeedStep(draft, cfg.train, world, self.device)
             if job.backend == "deepspeed"
@@ -207,13 +228,8 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict:
         train = self.loop_cfg
-        batches = eval_batches(
-            self.reader,
-            self.job.heldout_shards or self.job.train_shards,
-            train.batch_size,
-            train.max_seq_len,
-            self.job.pad_id,
-            max_samples=train.eval_max_samples,
+        batches = self.source.heldout_batches(
+            train.batch_size, train.max_seq_len, self.job.pad_id, train.eval_max_samples
         )
         return evaluate_heldout(self.draft, self.head, batches, train, self.cfg.evaluate.length_buckets, self.device)
 
@@ -223,7 +239,7 @@ class Trainer:
         (Ray's) is called with each checkpoint folder; without it checkpoints go to the
         plain checkpoint folder. Returns the final evaluation on rank 0."""
         train = self.loop_cfg
-        start, position, best = 0, StreamPosition(), None
+        start, position, best = 0, None, None
         if restore_from is not None:
             state = ckpt.read_loop_state(restore_from, self.rank, self.job.resume_fields)
             self.opt.load(restore_from)
@@ -233,18 +249,17 @@ class Trainer:
             if self.average is not None:
                 ckpt.load_average(restore_from, self.average)
             self.generator.set_state(state["generator"])
-            start, position = state["step"], StreamPosition(**state["position"])
+            start, position = state["step"], state["position"]
             best = state.get("best")
             if self.rank == 0:
-                log(f"train: resuming at step {start} (epoch {position.epoch}, batch {position.batches})")
-        stream = BatchStream(
-            self.reader,
-            self.job.train_shards,
+                log(f"train: resuming at step {start} (epoch {position['epoch']}, batch {position['batches']})")
+        stream = self.source
+        stream.open(
             batch_settings(train, self.job.pad_id),
             self.cfg.seed,
             self.rank,
             self.world,
-            start=position,
+            position,
             prefetch=train.prefetch_batches,
             pin=self.device.type == "cuda",
         )
@@ -252,12 +267,12 @@ class Trainer:
 
         def next_batches() -> list[dict]:
             # int8 states cross as stored and are dequantised on the device (data.to_device)
-            return [to_device(next(stream), self.device, non_blocking=True) for _ in range(train.grad_accum)]
+            return [to_device(stream.next_batch(), self.device, non_blocking=True) for _ in range(train.grad_accum)]
 
         hooks = LoopHooks(
             evaluate=self._evaluate_on_rank0,
-            log=None if tracker is None else (lambda record: tracker({**record, "epoch": stream.position.epoch})),
-            checkpoint=lambda done, best, last: self._checkpoint(done, stream.position, best, last, report),
+            log=None if tracker is None else (lambda record: tracker({**record, "epoch": stream.epoch})),
+            checkpoint=lambda done, best, last: self._checkpoint(done, stream.state(), best, last, report),
             reduce=self._mean_over_workers if self.world > 1 else None,
         )
         try:
@@ -282,12 +297,8 @@ class Trainer:
             final = {
                 **final,
                 "best": best,
-                "stream": {
-                    "samples": stream.counts.samples,
-                    "tokens": stream.counts.tokens,
-                    "truncated": stream.counts.truncated,
-                },
-                "skipped_shards": dict(self.reader.skipped),
+                "stream": stream.counts(),
+                "skipped_shards": dict(stream.skipped),
             }
             with atomic_dir(self.layout.draft_dir) as tmp:
                 save_draft(tmp, self.draft, self.job.provenance)
@@ -317,10 +328,10 @@ class Trainer:
             result = box[0]
         return result
 
-    def _checkpoint(self, step: int, position: StreamPosition, best, last_eval, report) -> None:
+    def _checkpoint(self, step: int, position: dict, best, last_eval, report) -> None:
         state = {
             "step": step,
-            "position": position.as_dict(),
+            "position": position,
             "best": best,
             "generator": ckpt.encode_state(self.generator.get_state()),
             "resume_fields": self.job.resume_fields,

@@ -1,4 +1,5 @@
-"""The capture plan: the committed corpus grouped into fixed shards of one split each.
+"""The shard plan: the committed corpus grouped into fixed shards of one split each (the
+capture stage's store shards, and the units the streaming train source computes).
 
 `plan_shards` groups samples in corpus order (names carry their ids' hash, so a rerun plans
 the same shards); `plan_corpus` streams the refs into `capture/plan.parquet` one generate
@@ -13,9 +14,9 @@ from pathlib import Path
 from typing import Callable
 
 from storage.store import sample_ids_hash
-from workflows.capture.writer import ShardRef
 from workflows.core.errors import InputError
 from workflows.core.layout import RunLayout
+from workflows.core.shard_states import ShardRef
 
 SPLITS = ("train", "heldout")  # the corpus's splits; capture shard names start with one
 
