@@ -236,29 +236,29 @@ def contract_of(cfg, identity) -> dict:
     return capture_contract(cfg.target, cfg.capture, identity, cfg.store_capture_ids)
 
 
+def corpus_overrides(tiny_target, run_dir) -> list[str]:
+    """The `corpus` fixture's data: 12 conversations of the tiny target, fp32, shards of 3."""
+    return [
+        "target=tiny",
+        "mixture=bundled",
+        f"cache_dir={tiny_target.parent.parent}",
+        f"run_dir={run_dir}",
+        "data.limit=12",
+        "data.max_new_tokens=16",
+        "data.heldout_fraction=0.25",
+        "capture.shard_samples=3",
+        "capture.micro_batch_tokens=256",
+        "cluster.dashboard=false",
+        "data.dtype=float32",
+        "capture.dtype=float32",
+    ]
+
+
 def cfg_for(tiny_target, run_dir, *extra):
-    """The capture tests' config: 12 conversations of the tiny target, fp32, shards of 3."""
+    """The capture tests' config: the corpus's data, two shards a call, a 2-CPU Ray."""
     from workflows.core.config import compose
 
-    return compose(
-        [
-            "target=tiny",
-            "mixture=bundled",
-            f"cache_dir={tiny_target.parent.parent}",
-            f"run_dir={run_dir}",
-            "data.limit=12",
-            "data.max_new_tokens=16",
-            "data.heldout_fraction=0.25",
-            "capture.shard_samples=3",
-            "capture.shards_per_call=2",
-            "capture.micro_batch_tokens=256",
-            "cluster.dashboard=false",
-            "cluster.num_cpus=2",
-            "data.dtype=float32",
-            "capture.dtype=float32",
-            *extra,
-        ]
-    )
+    return compose([*corpus_overrides(tiny_target, run_dir), "capture.shards_per_call=2", "cluster.num_cpus=2", *extra])
 
 
 def run_dir_with_corpus(corpus, tmp_path):

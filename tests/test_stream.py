@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import corpus_rows, kill_run
+from tests.helpers import corpus_overrides, corpus_rows, kill_run
 from workflows import full
 from workflows.core.config import compose
 from workflows.train.checkpoint import latest_ray_checkpoint
@@ -47,20 +47,9 @@ TRAIN = (
 
 
 def overrides(tiny_target, run_dir, *extra) -> list[str]:
-    """The `corpus` fixture's settings (tests.helpers.cfg_for), on a Ray of its own size."""
+    """The `corpus` fixture's settings (tests.helpers.corpus_overrides), on a Ray of its own size."""
     return [
-        "target=tiny",
-        "mixture=bundled",
-        f"cache_dir={tiny_target.parent.parent}",
-        f"run_dir={run_dir}",
-        "data.limit=12",
-        "data.max_new_tokens=16",
-        "data.heldout_fraction=0.25",
-        "capture.shard_samples=3",
-        "capture.micro_batch_tokens=256",
-        "cluster.dashboard=false",
-        "data.dtype=float32",
-        "capture.dtype=float32",
+        *corpus_overrides(tiny_target, run_dir),
         "train.compute_dtype=float32",
         "train.optim.lr=3e-3",
         "train.packing=false",

@@ -100,6 +100,7 @@ class DFlashConfig:
         loss_gamma: float = 4.0,
         intermediate_size: int | None = None,
         rope_theta: float | None = None,
+        **family_fields,
     ) -> "DFlashConfig":
         """The target's width, heads and rotary settings (the block's embeddings are the
         target's, so the width is shared), `num_layers` decoder layers."""
@@ -116,6 +117,7 @@ class DFlashConfig:
             num_anchors=num_anchors,
             loss_gamma=loss_gamma,
             rope_theta=target.rope_theta if rope_theta is None else float(rope_theta),
+            **family_fields,
         )
         cfg.validate()
         return cfg
@@ -124,6 +126,8 @@ class DFlashConfig:
 @dataclass
 class DFlashSettings:
     """The block draft's settings (`draft.dflash.*`, with `draft.family=dflash`)."""
+
+    config_class = DFlashConfig  # the architecture `build` makes (a class attribute, not a setting)
 
     num_layers: int = 5  # draft decoder layers (DFlash's Qwen3-8B recipe: 5)
     # The anchor plus block_size - 1 mask slots: the draft tokens one forward proposes and the
@@ -187,7 +191,7 @@ class DFlashSettings:
         intermediate_size: int | None = None,
         rope_theta: float | None = None,
     ) -> DFlashConfig:
-        return DFlashConfig.for_target(
+        return self.config_class.for_target(
             target,
             draft_vocab_size,
             self.layer_ids(target),
@@ -198,4 +202,9 @@ class DFlashSettings:
             loss_gamma=self.loss_gamma,
             intermediate_size=intermediate_size,
             rope_theta=rope_theta,
+            **self.family_fields(),
         )
+
+    def family_fields(self) -> dict:
+        """A subclass family's own architecture fields, from its settings (DFlash: none)."""
+        return {}

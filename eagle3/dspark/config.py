@@ -18,7 +18,6 @@ from typing import Literal
 
 from eagle3.dflash.config import DFlashConfig, DFlashSettings
 from eagle3.schema import ConfigError, check_ranges
-from eagle3.target_spec import TargetSpec
 
 
 @dataclass
@@ -52,8 +51,6 @@ class DSparkConfig(DFlashConfig):
             raise ConfigError(f"{where}.verify_threshold={self.verify_threshold} is a probability: 0..1")
         if self.ce_weight + self.l1_weight == 0:
             raise ConfigError(f"{where}.ce_weight and {where}.l1_weight are both 0: nothing trains the drafts")
-        if self.confidence_with_markov and not self.confidence_head:
-            self.confidence_with_markov = False
         super().validate(where)
 
     @property
@@ -84,6 +81,7 @@ class DSparkSettings(DFlashSettings):
     # The reference decoder's adaptive cut: verify a block's drafts while the product of their
     # confidences stays >= this (0: all of them, as served without adaptive verification).
     verify_threshold: float = 0.0
+    config_class = DSparkConfig  # the architecture `build` makes
 
     @property
     def draft_tokens(self) -> int:
@@ -98,25 +96,13 @@ class DSparkSettings(DFlashSettings):
         if not 0 <= self.verify_threshold <= 1:
             raise ConfigError(f"{where}.verify_threshold={self.verify_threshold} is a probability: 0..1")
 
-    def build(
-        self,
-        target: TargetSpec,
-        draft_vocab_size: int,
-        t2d,
-        intermediate_size: int | None = None,
-        rope_theta: float | None = None,
-    ) -> DSparkConfig:
-        base = super().build(target, draft_vocab_size, t2d, intermediate_size, rope_theta)
-        fields = {k: getattr(base, k) for k in base.__dataclass_fields__ if k != "family"}
-        cfg = DSparkConfig(
-            **fields,
-            markov_rank=self.markov_rank,
-            confidence_head=self.confidence_head,
-            confidence_with_markov=self.confidence_with_markov and self.confidence_head,
-            ce_weight=self.ce_weight,
-            l1_weight=self.l1_weight,
-            confidence_weight=self.confidence_weight,
-            verify_threshold=self.verify_threshold,
-        )
-        cfg.validate()
-        return cfg
+    def family_fields(self) -> dict:
+        return {
+            "markov_rank": self.markov_rank,
+            "confidence_head": self.confidence_head,
+            "confidence_with_markov": self.confidence_with_markov and self.confidence_head,
+            "ce_weight": self.ce_weight,
+            "l1_weight": self.l1_weight,
+            "confidence_weight": self.confidence_weight,
+            "verify_threshold": self.verify_threshold,
+        }
