@@ -111,12 +111,42 @@ def kill_an_engine(run_dir: Path, proc: subprocess.Popen, base: Path) -> str:
     return engine
 
 
+def kill_a_trainer(run_dir: Path, proc: subprocess.Popen, base: Path, after_step: int) -> str:
+    """SIGKILL rank 1's training worker once a checkpoint later than `after_step` is in, and
+    wait for the run to fail. Returns the error line the run ended with."""
+    while (latest := latest_ray_checkpoint(run_dir / "train")) is None or checkpoint_step(latest) <= after_step:
+        assert proc.poll() is None, (base / f"{run_dir.name}.log").read_text()[-4000:]
+        time.sleep(0.02)
+    worker = json.loads((run_dir / "train" / "stream" / "rank1.jsonl").read_text().splitlines()[-1])["worker"]
+    os.kill(int(worker.rsplit(":", 1)[1]), signal.SIGKILL)
+    assert proc.wait(timeout=300) != 0, "the run went on without its worker"
+    kill_run(proc)  # what is left of its session (the engines, Ray)
+    return [line for line in (base / f"{run_dir.name}.log").read_text().splitlines() if line.startswith("error:")][-1]
+
+
+def checkpoint_step(folder: Path) -> int:
+    return json.loads((folder / "loop_rank0.json").read_text())["step"]
+
+
+def add_an_empty_sample(run_dir: Path) -> None:
+    """A train row with no tokens in the corpus's first file (a conversation that rendered to
+    nothing): both paths must count it as skipped, the same way."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    file = sorted((run_dir / "generate" / "shards").glob("*.parquet"))[0]
+    table = pq.read_table(file)
+    row = {**table.slice(0, 1).to_pylist()[0], "id": "empty-0", "split": "train", "input_ids": [], "loss_mask": []}
+    pq.write_table(pa.concat_tables([table, pa.Table.from_pylist([row], schema=table.schema)]), file)
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_target, corpus, tmp_path_factory):
     """(uninterrupted, killed and resumed, from the teed store) run folders, and the kill's step."""
     base = tmp_path_factory.mktemp("stream")
     reference, killed, stored = base / "reference", base / "killed", base / "stored"
     shutil.copytree(corpus / "generate", reference / "generate")
+    add_an_empty_sample(reference)
     full.run(compose(overrides(tiny_target, reference, "stages=[vocab]")))
     shutil.copytree(reference, killed)
     ref = start(tiny_target, reference, *TRAIN, "train.data_source=stream", "train.stream_tee=true")
@@ -134,6 +164,10 @@ def runs(tiny_target, corpus, tmp_path_factory):
         assert not (killed / "train" / "metrics.json").exists()
         resumed = start(tiny_target, killed, *TRAIN, "train.data_source=stream")
         killed_engine = kill_an_engine(killed, resumed, base)
+        # Then one training worker, past the resumed run's next checkpoint: the run fails
+        # saying so, and the next rerun resumes from that checkpoint.
+        trainer_failure = kill_a_trainer(killed, resumed, base, after_step=kill_step)
+        resumed = start(tiny_target, killed, *TRAIN, "train.data_source=stream")
         finished(ref, reference)
         # The teed store: the capture stage adopts its committed shards and verifies it, then
         # the store path trains on it.
@@ -143,17 +177,17 @@ def runs(tiny_target, corpus, tmp_path_factory):
         finished(resumed, killed)
         finished(store_run, stored)
     finally:
-        for p in (ref, proc):
+        for p in (ref, proc, *[v for k, v in locals().items() if k in ("resumed", "store_run")]):
             if p.poll() is None:
                 kill_run(p)
-    return reference, killed, stored, kill_step, killed_engine
+    return reference, killed, stored, kill_step, killed_engine, trainer_failure
 
 
 @pytest.mark.slow
 def test_streaming_trains_exactly_as_the_store_path(runs):
     """Two workers, each rank's shards dealt as the store path deals them: the same steps
     (losses, grad norms, accuracies, held-out figures, truncations) and the same weights."""
-    reference, _, stored, _, _ = runs
+    reference, _, stored, _, _, _ = runs
     assert [r["step"] for r in records(reference)] == list(range(24))
     assert records(reference) == records(stored)
     a, b = weights(reference), weights(stored)
@@ -168,8 +202,19 @@ def test_streaming_trains_exactly_as_the_store_path(runs):
 
 
 @pytest.mark.slow
+def test_an_empty_sample_is_a_counted_skip_on_both_paths(runs):
+    """The corpus row with no tokens (fixture): the stream's summary and the capture stage
+    count it alike, and neither trains it."""
+    reference, _, stored, _, _, _ = runs
+    streamed = json.loads((reference / "train" / "stream" / "summary.json").read_text())["skipped"]
+    captured = json.loads((stored / "capture" / "summary.json").read_text())["skipped"]
+    assert streamed == captured == {"empty_sample": 1}
+    assert "empty-0" not in {i for ids in trained_by_epoch(reference).values() for i in ids}
+
+
+@pytest.mark.slow
 def test_the_stream_keeps_its_states_within_the_budget_and_writes_no_store(runs):
-    reference, killed, _, _, _ = runs
+    reference, killed, _, _, _, _ = runs
     summary = json.loads((reference / "train" / "stream" / "summary.json").read_text())
     assert summary["budget_bytes"] == BUDGET and 0 < summary["peak_object_store_bytes"] <= BUDGET
     assert summary["actors_per_worker"] == 1 and summary["workers"] == 2
@@ -183,10 +228,24 @@ def test_a_killed_engine_actor_is_restarted_and_its_shards_computed_again(runs):
     """Rank 0's engine, SIGKILLed mid-stream in the resumed run: Ray Data restarts it and
     computes the shards it had not delivered again; the run still ends equal to the
     uninterrupted one (test below), its later batches computed by the new engine."""
-    reference, killed, _, _, engine = runs
+    reference, killed, _, _, engine, _ = runs
     lines = [json.loads(line) for line in (killed / "train" / "stream" / "rank0.jsonl").read_text().splitlines()]
     after = [r["engines"] for r in lines[[r["engines"] for r in lines].index([engine]) :]]
     assert {e for engines in after for e in engines} - {engine}, "no batch came from a restarted engine"
+    assert records(killed) == records(reference)
+
+
+@pytest.mark.slow
+def test_a_killed_training_worker_fails_the_run_in_one_line_and_the_rerun_resumes(runs):
+    """Rank 1's worker SIGKILLed past the resumed run's checkpoint: the run stops with one
+    line saying what died and what to do; the rerun resumes from that checkpoint (its later
+    batches trained by new workers) and ends equal to the uninterrupted run (test below)."""
+    reference, killed, _, kill_step, _, failure = runs
+    assert "the training worker(s) of rank [1] died" in failure and "rerun the same command" in failure, failure
+    lines = [json.loads(line) for line in (killed / "train" / "stream" / "rank1.jsonl").read_text().splitlines()]
+    workers = [r["worker"] for r in lines]
+    # the whole-run kill's, the resumed run's (killed), the rerun's: one process each
+    assert len(dict.fromkeys(workers)) == 3, workers
     assert records(killed) == records(reference)
 
 
@@ -195,7 +254,7 @@ def test_a_killed_stream_resumes_to_the_uninterrupted_run_training_each_sample_o
     """SIGKILL of the whole run's process group between two checkpoints; the rerun resumes
     from the latest and ends equal to the uninterrupted run, and over both runs every train
     sample of each complete epoch was trained exactly once (the last record of each batch)."""
-    reference, killed, _, kill_step, _ = runs
+    reference, killed, _, kill_step, _, _ = runs
     assert 9 <= kill_step < 23
     assert records(killed) == records(reference)
     a, b = weights(reference), weights(killed)

@@ -15,6 +15,14 @@ taken in it), is all a checkpoint needs to continue the same stream; the stream 
 collective calls stay in step. A background thread keeps `prefetch` batches ready, so the
 step does not wait on storage.
 
+Elastic resume (a checkpoint of W workers resumed on W' != W): the position also holds the
+ids each rank trained in its current epoch. `elastic_position` turns the W saved positions
+into one start for every new rank: the earliest epoch any rank was in, with the samples
+already trained in it (and in any later epoch a rank had reached) excluded; the new ranks
+deal the rest of that epoch among themselves as any epoch is dealt, so that every sample of
+an epoch trains once, none twice. The exclusions travel in the position until their epoch
+ends, so a later same-size resume replays the same deal.
+
 States stay as the store holds them through batching: from an int8 store, int8 `aux`/`final`
 with their float32 scales (padded and packed alike), so half the bytes are pinned and cross
 to the device; `to_device` dequantises them there, right after the copy (on a CPU-only run
@@ -27,7 +35,7 @@ import itertools
 import queue
 import random
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 from eagle3.target_features import collate_samples, pack_samples
@@ -50,9 +58,17 @@ class BatchSettings:
 class StreamPosition:
     epoch: int = 0
     batches: int = 0  # batches already taken from this epoch
+    trained: list[str] = field(default_factory=list)  # ids of those batches' samples
+    # epoch -> ids trained there by an earlier world size (elastic resume): left out of its deal
+    excluded: dict[str, list[str]] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        return {"epoch": self.epoch, "batches": self.batches}
+        return {"epoch": self.epoch, "batches": self.batches, "trained": self.trained, "excluded": self.excluded}
+
+    @classmethod
+    def of(cls, state: dict) -> "StreamPosition":
+        """A saved position; one saved before `trained` existed resumes at the same world only."""
+        return cls(state["epoch"], state["batches"], list(state.get("trained", [])), dict(state.get("excluded", {})))
 
 
 @dataclass
@@ -144,8 +160,11 @@ class BatchStream:
             raise InputError(f"store {reader.url}: no committed shard to train on")
         self.reader, self.shards, self.settings = reader, list(shards), settings
         self.seed, self.rank, self.world, self.pin = seed, rank, world, pin
-        self.position = StreamPosition(**(start.as_dict() if start else {}))
+        self.position = StreamPosition.of(start.as_dict()) if start else StreamPosition()
+        # The producer's own copy: the consumer's position drops an exclusion once past its epoch
+        self._excluded = {int(e): set(ids) for e, ids in self.position.excluded.items()}
         self.counts = StreamCounts()
+        self.last_ids: list[str] = []  # the samples of the batch last handed out
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, name="batch-prefetch", daemon=True)
@@ -154,9 +173,10 @@ class BatchStream:
     def epoch_batches(self, epoch: int) -> Iterator[tuple[dict, list[str], int]]:
         names, stride = my_shards(self.shards, self.seed, epoch, self.rank, self.world)
         rng = random.Random(f"batches:{self.seed}:{epoch}:{self.rank}")
+        excluded = self._excluded.get(epoch, set())
         window: list[dict] = []
         for k, sample in enumerate(self.reader.iter_samples(names, seed=hash_seed(self.seed, epoch), dequantize=False)):
-            if stride and k % self.world != self.rank:
+            if (stride and k % self.world != self.rank) or sample["id"] in excluded:
                 continue
             window.append(sample)
             if len(window) == self.settings.window:
@@ -170,15 +190,15 @@ class BatchStream:
             epoch, skip = self.position.epoch, self.position.batches
             while not self._stop.is_set():
                 n = 0
-                for n, (batch, _, truncated) in enumerate(self.epoch_batches(epoch), start=1):
+                for n, (batch, ids, truncated) in enumerate(self.epoch_batches(epoch), start=1):
                     if n <= skip:  # already trained on before the checkpoint
                         continue
                     if self.pin:
                         batch = {k: v.pin_memory() for k, v in batch.items()}
-                    self._put(("batch", epoch, n, (batch, truncated)))
+                    self._put(("batch", epoch, n, (batch, ids, truncated)))
                     if self._stop.is_set():
                         return
-                if n == 0:
+                if n == 0 and epoch not in self._excluded:  # (an epoch's rest may be none of this rank's)
                     raise InputError(
                         f"store {self.reader.url}: worker {self.rank} of {self.world} got no "
                         f"sample from shards {self.shards[:4]}...; fewer samples than workers?"
@@ -202,8 +222,13 @@ class BatchStream:
         kind, epoch, n, payload = self._queue.get()
         if kind == "error":
             raise payload
-        self.position = StreamPosition(epoch, n)
-        payload, truncated = payload
+        payload, ids, truncated = payload
+        p = self.position
+        trained = (p.trained if epoch == p.epoch else []) + ids
+        # an exclusion lasts until its epoch is over (a same-size resume replays its deal)
+        excluded = {e: v for e, v in p.excluded.items() if int(e) >= epoch}
+        self.position = StreamPosition(epoch, n, trained, excluded)
+        self.last_ids = ids
         self.counts.truncated += truncated
         tokens = int(payload["attention_mask"].sum())
         self.counts.samples += int(payload["segment_ids"].max(dim=-1).values.add(1).sum())
@@ -212,6 +237,41 @@ class BatchStream:
 
     def close(self) -> None:
         self._stop.set()
+
+
+def epoch_deal(reader, shards: list[str], seed: int, epoch: int, rank: int, world: int) -> list[str]:
+    """The ids rank `rank` of `world` is dealt in `epoch` (as BatchStream deals them, in
+    any order; from the shards' metadata, no state read)."""
+    names, stride = my_shards(shards, seed, epoch, rank, world)
+    by_shard: dict[str, list[tuple[int, str]]] = {}
+    for sid, (shard, k) in reader.index.items():
+        by_shard.setdefault(shard, []).append((k, sid))
+    ids = []
+    for name in names:
+        stored = [sid for _, sid in sorted(by_shard.get(name, []))]
+        ids += [stored[k] for k in sample_order(len(stored), name, hash_seed(seed, epoch))]
+    return ids[rank::world] if stride else ids
+
+
+def elastic_position(saved: list[dict], reader, shards: list[str], seed: int) -> dict:
+    """One start for every rank of a new world size from the positions the W ranks of the
+    old one saved (module doc): the earliest epoch a rank was in, with every sample a rank
+    had trained in that epoch or a later one excluded."""
+    if any("trained" not in p for p in saved):
+        raise InputError(
+            "this checkpoint predates elastic resume (its positions do not list the samples trained): "
+            "resume it with its own train.num_workers"
+        )
+    world, first = len(saved), min(p["epoch"] for p in saved)
+    excluded: dict[str, set[str]] = {}
+    for rank, p in enumerate(saved):
+        for epoch in range(first, p["epoch"]):  # the epochs this rank had finished
+            excluded.setdefault(str(epoch), set()).update(epoch_deal(reader, shards, seed, epoch, rank, world))
+        excluded.setdefault(str(p["epoch"]), set()).update(p["trained"])
+        for e, ids in p.get("excluded", {}).items():  # an earlier resize's, still open
+            if int(e) >= first:
+                excluded.setdefault(e, set()).update(ids)
+    return {"epoch": first, "batches": 0, "trained": [], "excluded": {e: sorted(v) for e, v in excluded.items()}}
 
 
 def to_device(batch: dict, device, non_blocking: bool = False) -> dict:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from workflows.core.cluster import ensure_ray
 from workflows.core.config import ClusterSection, TrainSection
-from workflows.core.errors import USER_ERRORS
+from workflows.core.errors import USER_ERRORS, StageFailure
 from workflows.core.log import log
 from workflows.train import checkpoint as ckpt
 from workflows.train.trainer import Trainer, TrainJob
@@ -110,7 +110,27 @@ def run_with_ray(
         cause = root_cause(exc)
         if isinstance(cause, USER_ERRORS):
             raise cause from None
+        dead = dead_ranks(exc)
+        if dead:  # a worker process gone (killed, OOM, a lost node): nothing of its own to say
+            latest = ckpt.latest_ray_checkpoint(train_dir)
+            since = f"its checkpoint {latest.name}" if latest else "the start (no checkpoint was complete)"
+            raise StageFailure(
+                f"train: the training worker(s) of rank {dead} died ({type(cause).__name__}); "
+                f"rerun the same command to resume from {since}"
+            ) from None
         raise
+
+
+def dead_ranks(exc: BaseException) -> list[int]:
+    """The ranks whose worker process died (rather than raised) in a failed Ray Train run."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, WorkerCrashedError
+
+    failures = getattr(exc, "worker_failures", None) or {}
+    gone = (ActorDiedError, ActorUnavailableError, WorkerCrashedError)
+    # Ray Train's controller finds a dead worker by its health check, whose error holds
+    # the actor's (WorkerHealthCheckFailedError.health_check_failure)
+    found = {rank: getattr(failure, "health_check_failure", failure) for rank, failure in failures.items()}
+    return sorted(rank for rank, failure in found.items() if isinstance(root_cause(failure), gone))
 
 
 def root_cause(exc: BaseException) -> BaseException:

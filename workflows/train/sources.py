@@ -8,6 +8,7 @@ makes the held-out batches rank 0 evaluates, and counts what it handed out:
     source.open(settings, seed, rank, world, state, prefetch, pin)
     source.next_batch() -> dict                   a batch as stored (workflows.train.data.to_device)
     source.state() -> dict                        the position, for loop_rank<r>.json
+    source.elastic_position(saved, seed) -> dict  a start for another world size (store path)
     source.epoch -> int                           the epoch the last batch came from
     source.heldout_batches(batch_size, max_seq_len, pad_id, max_samples) -> Iterator[dict]
     source.counts() -> dict                       samples, tokens, truncated (and the source's own)
@@ -22,17 +23,25 @@ receives the states from engine actors through Ray Data.
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+from pathlib import Path
 from typing import Iterator
 
-from workflows.train.data import BatchSettings, BatchStream, StreamPosition, eval_batches
+from workflows.train.data import BatchSettings, BatchStream, StreamPosition, elastic_position, eval_batches
 
 
 class ShardSource:
     """Batches of named, re-readable shards (a store, or shards held in memory)."""
 
-    def __init__(self, reader, train_shards: list[str], heldout_shards: list[str]):
+    def __init__(self, reader, train_shards: list[str], heldout_shards: list[str], ledger: Path | None = None):
+        """`ledger`: a folder where each rank records the ids of every batch it trains
+        (`rank<r>.jsonl`: epoch, batch, ids, worker host:pid; a resumed batch's line is written
+        again, the last line of each epoch and batch counts), as the stream's ledger."""
         self.reader, self.train_shards, self.heldout_shards = reader, list(train_shards), list(heldout_shards)
         self.stream: BatchStream | None = None
+        self.ledger, self._ledger = ledger, None
 
     @property
     def url(self) -> str:
@@ -59,13 +68,27 @@ class ShardSource:
             seed,
             rank,
             world,
-            start=StreamPosition(**state) if state else None,
+            start=StreamPosition.of(state) if state else None,
             prefetch=prefetch,
             pin=pin,
         )
+        if self.ledger is not None:
+            self.ledger.mkdir(parents=True, exist_ok=True)
+            self._ledger = open(self.ledger / f"rank{rank}.jsonl", "a")
+            self._worker = f"{socket.gethostname()}:{os.getpid()}"
 
     def next_batch(self) -> dict:
-        return next(self.stream)
+        batch = next(self.stream)
+        if self._ledger is not None:
+            p = self.stream.position
+            line = {"epoch": p.epoch, "batch": p.batches, "ids": self.stream.last_ids, "worker": self._worker}
+            self._ledger.write(json.dumps(line) + "\n")
+            self._ledger.flush()
+        return batch
+
+    def elastic_position(self, saved: list[dict], seed: int) -> dict:
+        """The start of every rank of a new world size (workflows.train.data.elastic_position)."""
+        return elastic_position(saved, self.reader, self.train_shards, seed)
 
     def state(self) -> dict:
         return self.stream.position.as_dict()
@@ -86,3 +109,6 @@ class ShardSource:
     def close(self) -> None:
         if self.stream is not None:
             self.stream.close()
+        if self._ledger is not None:
+            self._ledger.close()
+            self._ledger = None

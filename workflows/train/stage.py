@@ -8,7 +8,8 @@ from its checkpoint; the store's provenance must match the config field by field
 evaluation comes from the store's held-out shards every `train.eval_every` steps.
 Checkpoints every `train.checkpoint_every` steps; a rerun resumes from the latest (weights,
 optimizer, data position, noise RNG, bit for bit), and refuses a checkpoint whose data, TTT
-length, world size or step budget differ, naming them.
+length or step budget differ, naming them; a store-path checkpoint resumes on another number
+of workers too (workflows.train.elastic).
 
 "Online" states (`train.data_source=online`, no capture) are computed here by the target
 (on `train.device`), kept in memory and trained by the same Trainer as the store's, with its
@@ -26,6 +27,7 @@ Outputs in `<run_dir>/train/`:
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import torch
@@ -44,7 +46,7 @@ from workflows.core.provenance import FINAL_IS_NORMED, capture_contract, draft_p
 from workflows.train.checkpoint import resumable_checkpoint
 from workflows.train.data import SamplesInMemory
 from workflows.train.sources import ShardSource
-from workflows.train.trainer import Trainer, TrainJob, job_config
+from workflows.train.trainer import Trainer, TrainJob, job_config, trained_ledger
 
 
 def data_source(train: TrainSection, layout: RunLayout) -> str:
@@ -69,9 +71,13 @@ def backend_of(train: TrainSection, source: str) -> str:
     return "plain" if train.backend == "local" else "deepspeed"
 
 
-def resume_fields(train: TrainSection, draft: DraftSection, seed: int, backend: str, store_key: str) -> dict:
-    """What a checkpoint must agree on to be resumed: the data, the schedule, the maths."""
-    return {
+def resume_fields(
+    train: TrainSection, draft: DraftSection, seed: int, backend: str, store_key: str, elastic: bool = False
+) -> dict:
+    """What a checkpoint must agree on to be resumed: the data, the schedule, the maths, and
+    the world size unless the resume can change it (`elastic`: the store path on Ray Train,
+    workflows.train.elastic)."""
+    fields = {
         "data": store_key,
         "ttt": to_dict(train.ttt),
         "objective": to_dict(train.objective),
@@ -95,6 +101,9 @@ def resume_fields(train: TrainSection, draft: DraftSection, seed: int, backend: 
         "zero_stage": train.zero_stage if backend == "deepspeed" else None,
         "init_from": train.init_from,
     }
+    if elastic:
+        del fields["world_size"]
+    return fields
 
 
 def worker_device(train: TrainSection, backend: str) -> str:
@@ -188,8 +197,12 @@ def train_from_store(
         )
     if not heldout_shards:
         log("train: the store has no held-out shard (data.heldout_fraction too small?); evaluating on train data")
-    fields = resume_fields(cfg.train, cfg.draft, cfg.seed, backend, layout.require_done("capture"))
+    fields = resume_fields(
+        cfg.train, cfg.draft, cfg.seed, backend, layout.require_done("capture"), elastic=backend == "deepspeed"
+    )
     latest = resumable_checkpoint(cfg.train.resume, layout, backend, fields)
+    if latest is None:  # a fresh start: the record of what trained starts afresh too
+        shutil.rmtree(trained_ledger(cfg), ignore_errors=True)
     job = TrainJob(
         config=job_config(cfg),
         target_path=str(Path(target_path).resolve()),

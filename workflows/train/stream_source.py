@@ -15,9 +15,9 @@ that window's shard (the samples before it are never recomputed), rebuilds the w
 skips its batches already trained: the batches of an uninterrupted run, bit for bit.
 
 Every batch taken is recorded by sample id in `train/stream/rank<r>.jsonl` (one line per
-batch: epoch, batch number in the epoch, ids, the engine actors that computed them as
-host:pid); a resume rewrites the lines of the batches it trains again, so the last line of
-each (epoch, batch) is what trained.
+batch: epoch, batch number in the epoch, ids, the engine actors that computed them and the
+training worker that trained it, as host:pid); a resume rewrites the lines of the batches
+it trains again, so the last line of each (epoch, batch) is what trained.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import random
+import socket
 import time
 import warnings
 from pathlib import Path
@@ -87,6 +89,7 @@ class StreamSource:
         folder = Path(self.job.config.run_dir) / "train" / LEDGER
         folder.mkdir(parents=True, exist_ok=True)
         self._ledger = open(folder / f"rank{rank}.jsonl", "a")
+        self._worker = f"{socket.gethostname()}:{os.getpid()}"  # which process trained each batch
         self._started = time.perf_counter()
         # The dashboard's view (Ray metrics, tag worker=rank<r>): eagle3_stage_throughput of the
         # stages "stream_inference" (per engine actor) and "stream_training" (this worker)
@@ -246,7 +249,8 @@ class StreamSource:
                 "in_window": b,
             }
             engines = sorted({self._engine_of.pop(i, "?") for i in ids})
-            self._ledger.write(json.dumps({"epoch": epoch, "batch": taken + b, "ids": ids, "engines": engines}) + "\n")
+            line = {"epoch": epoch, "batch": taken + b, "ids": ids, "engines": engines, "worker": self._worker}
+            self._ledger.write(json.dumps(line) + "\n")
             self._ledger.flush()
             self._counts.truncated += truncated
             yield batch

@@ -38,6 +38,7 @@ from workflows.core.log import log
 from workflows.core.markers import atomic_dir, write_json_atomic
 from workflows.core.target_weights import read_embeddings, read_head_and_norm, read_target_head
 from workflows.train import checkpoint as ckpt
+from workflows.train import elastic
 from workflows.train.data import BatchSettings, to_device
 from workflows.train.evaluation import evaluate_heldout
 from workflows.train.sources import ShardSource
@@ -167,8 +168,15 @@ class DeepSpeedStep:
 
     def save(self, folder: Path) -> None:
         self.engine.save_checkpoint(str(folder), tag=self.TAG)
+        if elastic.partitioned(self.module):  # a copy another world size can resume from
+            elastic.save_full_optimizer(self.module, self.base_optimizer, folder, self.engine.global_rank)
 
-    def load(self, folder: Path) -> None:
+    def load(self, folder: Path, resized: bool = False) -> None:
+        """`resized`: the checkpoint was saved by another number of workers (workflows.train.elastic)."""
+        if resized and elastic.partitioned(self.module):
+            self.engine.load_checkpoint(str(folder), tag=self.TAG, load_module_only=True)
+            elastic.load_full_optimizer(self.engine, self.base_optimizer, folder)
+            return
         self.engine.load_checkpoint(
             str(folder), tag=self.TAG, load_optimizer_states=True, load_lr_scheduler_states=False
         )
@@ -196,7 +204,12 @@ def job_source(job: TrainJob, on_corrupt: str):
     reader = StoreReader(
         job.store_url, job.storage_options, expect=job.expect, on_corrupt=on_corrupt, aux_layers=job.aux_layers
     )
-    return ShardSource(reader, job.train_shards, job.heldout_shards)
+    return ShardSource(reader, job.train_shards, job.heldout_shards, ledger=trained_ledger(job.config))
+
+
+def trained_ledger(cfg: FullConfig) -> Path:
+    """Where the store path's ranks record what they train (workflows.train.sources.ShardSource)."""
+    return Path(cfg.run_dir) / "train" / "trained"
 
 
 class Trainer:
@@ -241,17 +254,32 @@ class Trainer:
         train = self.loop_cfg
         start, position, best = 0, None, None
         if restore_from is not None:
-            state = ckpt.read_loop_state(restore_from, self.rank, self.job.resume_fields)
-            self.opt.load(restore_from)
+            saved_world = ckpt.check_resumable(restore_from, self.job.resume_fields).get("world_size", self.world)
+            if saved_world == self.world:
+                state = ckpt.read_loop_state(restore_from, self.rank, self.job.resume_fields)
+                self.opt.load(restore_from)
+                self.generator.set_state(state["generator"])
+                position = state["position"]
+            else:  # elastic: the optimizer consolidated, the epoch's rest dealt anew
+                states = [ckpt.read_loop_state(restore_from, r, self.job.resume_fields) for r in range(saved_world)]
+                state = states[0]
+                self.opt.load(restore_from, resized=True)
+                if self.rank < saved_world:  # a new rank's noise starts from its seed
+                    self.generator.set_state(states[self.rank]["generator"])
+                position = self.source.elastic_position([s["position"] for s in states], self.cfg.seed)
             if self.job.backend == "plain":  # DeepSpeed's files hold the module's weights
                 raw = restore_from / ckpt.TRAINING_WEIGHTS if self.average else None
                 load_draft_weights(restore_from / ckpt.DRAFT, self.draft, file=raw)
             if self.average is not None:
                 ckpt.load_average(restore_from, self.average)
-            self.generator.set_state(state["generator"])
-            start, position = state["step"], state["position"]
-            best = state.get("best")
-            if self.rank == 0:
+            start, best = state["step"], state.get("best")
+            if self.rank == 0 and saved_world != self.world:
+                left = sum(len(v) for e, v in position["excluded"].items() if int(e) == position["epoch"])
+                log(
+                    f"train: resuming at step {start} on {self.world} worker(s) from a checkpoint of {saved_world}: "
+                    f"epoch {position['epoch']} goes on without its {left} sample(s) already trained"
+                )
+            elif self.rank == 0:
                 log(f"train: resuming at step {start} (epoch {position['epoch']}, batch {position['batches']})")
         stream = self.source
         stream.open(
