@@ -219,3 +219,30 @@ def test_a_resized_resume_of_deepspeed_continues_its_optimizer_exactly(tmp_path,
     assert result["got"] == result["want"] and len(set(result["want"])) == 5
     assert all(torch.equal(result["whole"][k], result["resumed"][k]) for k in result["whole"])
     assert (tmp_path / "optimizer_full.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (["train.min_workers=3"], r"train.min_workers=3 is more than train.num_workers=2"),
+        (["train.min_workers=1"], r"train.min_workers=1: an elastic group .* train.max_failures >= 1"),
+    ],
+)
+def test_an_elastic_group_the_schema_cannot_honour_is_refused_naming_the_settings(settings, message):
+    from eagle3.schema import ConfigError
+    from workflows.core.config import compose
+
+    with pytest.raises(ConfigError, match=message):
+        compose(settings)
+
+
+@pytest.mark.parametrize("source, backend", [("stream", "auto"), ("store", "local")], ids=["stream", "local"])
+def test_elastic_scaling_is_refused_where_the_world_size_cannot_change(source, backend):
+    from eagle3.schema import ConfigError
+    from workflows.core.config import compose
+    from workflows.train.stage import backend_of
+
+    train = compose(["train.min_workers=1", "train.max_failures=1", f"train.backend={backend}"]).train
+    with pytest.raises(ConfigError, match=rf"train.min_workers=1 .* train.data_source={source} with train.backend="):
+        backend_of(train, source)
+    assert backend_of(compose(["train.min_workers=1", "train.max_failures=1"]).train, "store") == "deepspeed"

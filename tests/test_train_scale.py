@@ -273,20 +273,45 @@ def ledger(run_dir: Path) -> dict[tuple[int, str], list[dict]]:
     return runs
 
 
+def assert_each_sample_once_per_epoch(run_dir: Path, before: dict, positions: list[dict]) -> None:
+    """What trained: each old rank's batches (`before`, its ledger when it stopped) up to the
+    position of the checkpoint the run went on from, then the new workers' batches: every
+    train sample once in each complete epoch, none twice in the last."""
+    trained: dict[int, list[str]] = {}
+    for (rank, _), lines in before.items():
+        p = positions[rank]
+        for r in lines:
+            if (r["epoch"], r["batch"]) <= (p["epoch"], p["batches"]):
+                trained.setdefault(r["epoch"], []).extend(r["ids"])
+    after = ledger(run_dir)
+    assert set(before) < set(after), "no worker of the resumed run trained"
+    for key in set(after) - set(before):
+        for r in after[key]:
+            trained.setdefault(r["epoch"], []).extend(r["ids"])
+    index = StoreReader(str(run_dir / "store")).index
+    train_ids = sorted(sid for sid, (shard, _) in index.items() if shard.startswith("train-"))
+    last = max(trained)
+    assert last >= 2
+    for epoch in range(last):  # the complete epochs: each train sample once
+        assert sorted(trained[epoch]) == train_ids, epoch
+    assert len(set(trained[last])) == len(trained[last]) and set(trained[last]) <= set(train_ids)
+
+
+ELASTIC = ("train.steps=24", "train.checkpoint_every=8", "train.eval_every=8", "train.log_every=1")
+
+
 @pytest.mark.slow
-def test_two_workers_checkpoint_resumes_on_one_each_sample_once_per_epoch(tiny_target, captured, tmp_path):
-    """Elastic resume (workflows.train.elastic): 2 Ray Train workers SIGKILLed past their
-    step-8 checkpoint, resumed by 1 worker to the end. The ZeRO-1 optimizer state comes back
-    whole from its consolidated copy, and what the ranks trained (their ledgers, cut at the
-    checkpoint's positions) holds every train sample once in each epoch. Not bit-exact
-    against the uninterrupted 2-worker run: from step 8 one worker's steps average 2 samples,
-    not 4, so the steps see other batches; the held-out acceptance agrees within 10%."""
-    args = ("train.steps=24", "train.checkpoint_every=8", "train.eval_every=8", "train.log_every=1")
+def test_a_one_worker_checkpoint_resumes_on_two_each_sample_once_per_epoch(tiny_target, captured, tmp_path):
+    """Elastic resume (workflows.train.elastic): 1 Ray Train worker SIGKILLed past its step-8
+    checkpoint, rerun on 2 workers to the end. The ZeRO-1 optimizer state comes back from its
+    consolidated copy, and every train sample trains once in each epoch. Not bit-exact
+    against the uninterrupted 1-worker run: from step 8 a step averages 2 workers' batches,
+    so the steps see other samples; the held-out acceptance agrees within 10%."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def start(run_dir: Path, workers: int) -> subprocess.Popen:
         out = open(tmp_path / f"{run_dir.name}.log", "a")
-        command = train_command(tiny_target, run_dir, *args, f"train.num_workers={workers}")
+        command = train_command(tiny_target, run_dir, *ELASTIC, f"train.num_workers={workers}")
         return subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -295,7 +320,7 @@ def test_two_workers_checkpoint_resumes_on_one_each_sample_once_per_epoch(tiny_t
         return (tmp_path / f"{run_dir.name}.log").read_text()
 
     reference, run = copy_run(captured, tmp_path / "reference"), copy_run(captured, tmp_path / "run")
-    ref_proc, proc = start(reference, 2), start(run, 2)  # side by side: the start-ups overlap
+    ref_proc, proc = start(reference, 1), start(run, 1)  # side by side: the start-ups overlap
     try:
         try:
             while not logged_steps(run) or logged_steps(run)[-1] < 9 or latest_ray_checkpoint(run / "train") is None:
@@ -305,40 +330,60 @@ def test_two_workers_checkpoint_resumes_on_one_each_sample_once_per_epoch(tiny_t
             kill_run(proc)
         kept = latest_ray_checkpoint(run / "train")
         assert (kept / "optimizer_full.safetensors").exists()
-        positions = [json.loads((kept / f"loop_rank{r}.json").read_text())["position"] for r in (0, 1)]
+        positions = [json.loads((kept / "loop_rank0.json").read_text())["position"]]
         before = ledger(run)
-        resumed = start(run, 1)
+        resumed = start(run, 2)
         assert resumed.wait(timeout=600) == 0, text(run)[-3000:]
-        assert "on 1 worker(s) from a checkpoint of 2" in text(run)
+        assert "on 2 worker(s) from a checkpoint of 1" in text(run)
         assert ref_proc.wait(timeout=600) == 0, text(reference)[-3000:]
     finally:
         for p in (ref_proc, proc):
             if p.poll() is None:
                 kill_run(p)
-    # What trained: each killed rank's batches up to its checkpointed position, then the new worker's.
-    assert sorted(rank for rank, _ in before) == [0, 1]
-    trained: dict[int, list[str]] = {}
-    for (rank, _), lines in before.items():
-        p = positions[rank]
-        for r in lines:
-            if (r["epoch"], r["batch"]) <= (p["epoch"], p["batches"]):
-                trained.setdefault(r["epoch"], []).extend(r["ids"])
-    after = ledger(run)
-    (new,) = set(after) - set(before)  # the one worker of the resumed run
-    for r in after[new]:
-        trained.setdefault(r["epoch"], []).extend(r["ids"])
-    index = StoreReader(str(run / "store")).index
-    train_ids = sorted(sid for sid, (shard, _) in index.items() if shard.startswith("train-"))
-    last = max(trained)
-    assert last >= 2
-    for epoch in range(last):  # the complete epochs: each train sample once
-        assert sorted(trained[epoch]) == train_ids, epoch
-    assert len(set(trained[last])) == len(trained[last]) and set(trained[last]) <= set(train_ids)
+    assert_each_sample_once_per_epoch(run, before, positions)
     got, want = records(run), records(reference)
     assert [r["step"] for r in got] == list(range(24)) and got[:8] == want[:8]  # equal up to the checkpoint
     m_got = json.loads((run / "train" / "metrics.json").read_text())
     m_want = json.loads((reference / "train" / "metrics.json").read_text())
     assert m_got["acceptance_walk"] == pytest.approx(m_want["acceptance_walk"], rel=0.1), (m_got, m_want)
+
+
+@pytest.mark.slow
+def test_a_lost_node_shrinks_an_elastic_group_and_training_goes_on(tiny_target, captured, tmp_path):
+    """train.min_workers=1 of 2, a Ray of two nodes (tests.elastic_cluster) that loses one
+    past the step-8 checkpoint: Ray Train restarts the group on the one worker left, which
+    resumes from that checkpoint, says so in one line, and trains to the end, each train
+    sample once per epoch."""
+    run = copy_run(captured, tmp_path / "run")
+    record = tmp_path / "record.json"
+    command = [
+        sys.executable,
+        "-m",
+        "tests.elastic_cluster",
+        str(record),
+        *overrides(tiny_target, run, "stages=[train]", *ELASTIC),
+        "train.num_workers=2",
+        "train.min_workers=1",
+        "train.max_failures=1",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "10"  # tests.elastic_cluster says why
+    out = open(tmp_path / "run.log", "w")
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        assert proc.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            kill_run(proc)
+    text = (tmp_path / "run.log").read_text()
+    lost = json.loads(record.read_text())
+    assert "train: Ray Train, 1-2 (elastic) worker(s)" in text
+    assert "train: resuming at step 8 on 1 worker(s) from a checkpoint of 2" in text, text[-4000:]
+    assert [r["step"] for r in records(run)] == list(range(24))
+    # The first group: rank 1, and rank 0's first worker (the restart's lines come after its own)
+    first = json.loads((run / "train" / "trained" / "rank0.jsonl").read_text().splitlines()[0])["worker"]
+    before = {key: lines for key, lines in ledger(run).items() if key[0] == 1 or key[1] == first}
+    assert_each_sample_once_per_epoch(run, before, lost["positions"])
 
 
 def test_a_resume_with_changed_settings_is_refused_naming_them(tiny_target, captured, tmp_path):

@@ -217,6 +217,14 @@ class TrainSection(LoopConfig):
     # states come from the store, local for online states.
     backend: Literal["auto", "ray", "local"] = "auto"
     num_workers: int = 2  # Ray Train workers (one GPU each in production)
+    # Ray Train elastic scaling: with 0 < min_workers < num_workers the group runs on as many
+    # workers as the cluster holds, down to min_workers; a lost node shrinks it and training
+    # goes on from the last checkpoint, the epoch's rest dealt anew (workflows.train.elastic).
+    # 0: a fixed group of num_workers. Needs max_failures >= 1 (each shrink is a restart).
+    min_workers: int = field(default=0, metadata=NOT_OUTPUT)
+    # Restarts of the worker group after a worker fails, each from the last checkpoint, before
+    # the run fails; 0: the first failure ends the run, and a rerun resumes.
+    max_failures: int = field(default=0, metadata=NOT_OUTPUT)
     cpus_per_worker: float = 1  # CPUs Ray reserves per training worker
     gpus_per_worker: float = 0  # > 0: CUDA workers with NCCL
     zero_stage: int = 1  # DeepSpeed ZeRO stage (0-2)
@@ -259,6 +267,11 @@ class TrainSection(LoopConfig):
     # it streams, so that a later run can train from the store (stages=[capture] verifies it).
     stream_tee: bool = field(default=False, metadata=NOT_OUTPUT)
 
+    @property
+    def elastic(self) -> bool:
+        """Whether Ray Train may run the group on fewer than num_workers workers."""
+        return 0 < self.min_workers < self.num_workers
+
     def validate(self, where: str = "train") -> None:
         super().validate(where)
         check_ranges(
@@ -266,6 +279,8 @@ class TrainSection(LoopConfig):
             where,
             batch_size=">=1",
             num_workers=">=1",
+            min_workers=">=0",
+            max_failures=">=0",
             cpus_per_worker=">0",
             gpus_per_worker=">=0",
             zero_stage="[0,2]",
@@ -278,6 +293,16 @@ class TrainSection(LoopConfig):
             eval_max_samples=">=1",
             stream_budget_bytes=">=1",
         )
+        if self.min_workers > self.num_workers:
+            raise ConfigError(
+                f"{where}.min_workers={self.min_workers} is more than {where}.num_workers={self.num_workers}, "
+                "the most the group grows to: lower it (0: a fixed group)"
+            )
+        if 0 < self.min_workers < self.num_workers and self.max_failures == 0:
+            raise ConfigError(
+                f"{where}.min_workers={self.min_workers}: an elastic group goes on after losing a worker by "
+                f"restarting from the last checkpoint; allow it with {where}.max_failures >= 1"
+            )
         # A worker trains on one device, the one DeepSpeed and the batches share
         # (workflows.train.ray_job): a GPU fraction would put several ranks on one GPU, more
         # than one would leave the rest idle.

@@ -88,7 +88,9 @@ def run_with_ray(
         train_worker,
         train_loop_config={"job": job, "use_gpu": use_gpu, "threads": max(1, int(train.cpus_per_worker))},
         scaling_config=ray.train.ScalingConfig(
-            num_workers=train.num_workers, use_gpu=use_gpu, resources_per_worker=resources
+            num_workers=(train.min_workers, train.num_workers) if train.elastic else train.num_workers,
+            use_gpu=use_gpu,
+            resources_per_worker=resources,
         ),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         **({"datasets": datasets, "dataset_config": data_config} if datasets else {}),
@@ -100,10 +102,13 @@ def run_with_ray(
                 checkpoint_score_attribute="acceptance_walk",
                 checkpoint_score_order="max",
             ),
-            failure_config=ray.train.FailureConfig(max_failures=0),
+            # A restart begins from the latest checkpoint (ray.train.get_checkpoint), on as many
+            # workers as the cluster holds when elastic: the Trainer resumes on that world size.
+            failure_config=ray.train.FailureConfig(max_failures=train.max_failures),
         ),
     )
-    log(f"train: Ray Train, {train.num_workers} worker(s) x {resources}, DeepSpeed ZeRO stage {train.zero_stage}")
+    size = f"{train.min_workers}-{train.num_workers} (elastic)" if train.elastic else str(train.num_workers)
+    log(f"train: Ray Train, {size} worker(s) x {resources}, DeepSpeed ZeRO stage {train.zero_stage}")
     try:
         trainer.fit()
     except Exception as exc:  # a worker's own error reads better than Ray's wrapper

@@ -56,6 +56,12 @@ def data_source(train: TrainSection, layout: RunLayout) -> str:
 
 
 def backend_of(train: TrainSection, source: str) -> str:
+    if train.elastic and (source != "store" or train.backend == "local"):
+        raise ConfigError(
+            f"train.min_workers={train.min_workers} (elastic scaling) needs Ray Train workers reading the "
+            f"store: train.data_source={source} with train.backend={train.backend} cannot resume on another "
+            "number of workers; set train.min_workers=0"
+        )
     if source == "stream" and train.backend == "local":
         raise ConfigError(
             "train.data_source=stream feeds Ray Train workers: use train.backend=ray (or auto); "
