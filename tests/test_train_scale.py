@@ -94,17 +94,19 @@ AVERAGING = pytest.mark.parametrize("averaging", [(), ("train.ema_decay=0.9",)],
 
 
 @pytest.mark.slow
+# The last weights' resume (no average) is the same path less the average's files, and is
+# held bit-exact on Ray Train by tests/test_stream.py's SIGKILL (the same Trainer, DeepSpeed
+# and checkpoints): here the average and the block family.
 @pytest.mark.parametrize(
     "averaging",
-    [(), ("train.ema_decay=0.9",), ("draft=dflash", "draft.dflash.num_layers=2", "draft.dflash.num_anchors=8")],
-    ids=["last", "average", "dflash"],
+    [("train.ema_decay=0.9",), ("draft=dflash", "draft.dflash.num_layers=2", "draft.dflash.num_anchors=8")],
+    ids=["average", "dflash"],
 )
 def test_sigkill_mid_epoch_then_resume_is_bit_exact(tiny_target, captured, tmp_path, averaging):
     """Two Ray Train workers; a real SIGKILL of the run's process group between two
     checkpoints; the rerun's steps (losses, grad norms, accuracies, held-out figures) and
-    final weights equal an uninterrupted run's exactly. For EAGLE-3 (its last weights, or
-    their average) and for the DFlash block draft (whose random anchors come from the same
-    saved generator)."""
+    final weights equal an uninterrupted run's exactly. For EAGLE-3 with its weights' average
+    and for the DFlash block draft (whose random anchors come from the same saved generator)."""
     args = (
         "train.steps=24",
         "train.checkpoint_every=8",
