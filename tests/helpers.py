@@ -163,7 +163,7 @@ def memorising_draft(
     above 1, where a wrong layer mapping shows; the answers are its own training data).
 
     -> {"draft", "sglang", "vllm": folders, "prompts", "greedy": [[ids]], "max_new_tokens",
-        "chain": decode_all figures for num_steps 3, "tree": for topk 2 / 6 draft tokens in
+        "chain": decode_all figures for num_steps 3, "tree": for topk 4 / 16 draft tokens in
         SGLang's draft attention, "model": the HF target}"""
     from pathlib import Path
 
@@ -213,8 +213,8 @@ def memorising_draft(
     vllm = export_vllm(sglang, folder / "vllm", Path(target_path), layers)
     rows = [{"id": str(i), "input_ids": s, "loss_mask": m} for i, (s, m) in enumerate(zip(seqs, masks))]
     chain = decode_all(model, draft, rows, layers, num_steps=3, topk=1, num_draft_tokens=None, eos=[])
-    tree = decode_all(
-        model, draft, rows, layers, num_steps=3, topk=2, num_draft_tokens=6, eos=[], sglang_compatible=True
+    tree = decode_all(  # the seed deployment's serving shape: 16 draft tokens per verify
+        model, draft, rows, layers, num_steps=3, topk=4, num_draft_tokens=16, eos=[], sglang_compatible=True
     )
     return {
         "draft": folder / "draft",

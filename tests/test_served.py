@@ -40,11 +40,13 @@ PREDICTED = {"sglang": "acceptance_sglang", "vllm": "acceptance_vllm"}
 # tests/test_evaluate.py, and vLLM's on this draft below, mis-wired (each engine start costs
 # ~30-45 s here, so none is repeated).
 def test_sglang_serves_the_tree_as_predicted(memorised, tiny_target):
-    reference = memorised["tree"]  # the tree (topk 2, 6 draft tokens) drafted with SGLang's draft attention
+    """The seed deployment's shape: SGLang verifying 16 draft tokens per pass (a tree of 3
+    steps, top 4), against the reference decoder's tree drafted with SGLang's draft attention."""
+    reference = memorised["tree"]
     predicted = reference["acceptance_sglang"]
     assert reference["lossless"] and predicted > 3.5  # a strong draft: the check below can fail
     check = served_check(
-        job(memorised, tiny_target, "sglang", topk=2, num_draft_tokens=6),
+        job(memorised, tiny_target, "sglang", topk=4, num_draft_tokens=16),
         memorised["greedy"],
         predicted,
         "acceptance_sglang",
