@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3.families import build_model
+from eagle3.sequence_parallel import SequenceParallel
 from eagle3.target_spec import TargetSpec
 from eagle3.training import LoopHooks, PlainOptimizer, fit, make_optimizer
 from eagle3.weight_average import WeightAverage
@@ -199,12 +200,30 @@ def job_source(job: TrainJob, on_corrupt: str):
     return ShardSource(reader, job.train_shards, job.heldout_shards)
 
 
+def sequence_parallel_group(rank: int, world: int, size: int) -> SequenceParallel:
+    """This rank's group of `size` consecutive ranks. torch.distributed.new_group is
+    collective: every rank creates every group, in the same order."""
+    import torch.distributed as dist
+
+    mine = None
+    for first in range(0, world, size):
+        group = dist.new_group(list(range(first, first + size)))
+        if first <= rank < first + size:
+            mine = group
+    return SequenceParallel(mine, rank % size, size)
+
+
 class Trainer:
     def __init__(self, job: TrainJob, rank: int = 0, world: int = 1, device: torch.device | None = None, source=None):
         """`source`: where the batches come from (workflows.train.sources); None: the job's
         (the store's shards, or the stream of engine actors on a Ray Train worker)."""
         self.job, self.rank, self.world = job, rank, world
         self.cfg = cfg = job.config
+        # Sequence parallel: groups of `sp` consecutive ranks share one stream of batches
+        # (data rank rank // sp of world // sp) and split each sample (eagle3.sequence_parallel).
+        size = cfg.train.sequence_parallel if job.backend == "deepspeed" else 1
+        self.sp = sequence_parallel_group(rank, world, size) if size > 1 else None
+        self.data_rank, self.data_world = rank // size, world // size
         self.loop_cfg = cfg.train
         self.device = device or torch.device(cfg.train.device if job.backend == "plain" else "cpu")
         self.layout = RunLayout.of(cfg)
@@ -223,7 +242,8 @@ class Trainer:
         self.draft = self.opt.module
         # The model evaluated and saved, with train.ema_decay: the raw weights' moving average
         self.average = WeightAverage(self.draft, cfg.train.ema_decay) if cfg.train.ema_decay else None
-        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed + rank)
+        # The noise is drawn on the whole sample: the ranks of a group draw the same values.
+        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed + self.data_rank)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict:
@@ -257,8 +277,8 @@ class Trainer:
         stream.open(
             batch_settings(train, self.job.pad_id),
             self.cfg.seed,
-            self.rank,
-            self.world,
+            self.data_rank,
+            self.data_world,
             position,
             prefetch=train.prefetch_batches,
             pin=self.device.type == "cuda",
@@ -286,6 +306,7 @@ class Trainer:
                 start=start,
                 best=best,
                 average=self.average,
+                sp=self.sp,
             )
         finally:
             stream.close()
@@ -312,7 +333,8 @@ class Trainer:
 
         t = torch.tensor([loss, float(tokens)], dtype=torch.float64, device=self._comm_device())
         dist.all_reduce(t)
-        return float(t[0]) / self.world, int(t[1])
+        # The ranks of a sequence-parallel group hold the same batch (and its whole loss).
+        return float(t[0]) / self.world, int(t[1]) // (self.world // self.data_world)
 
     def _comm_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
