@@ -103,7 +103,11 @@ def run_with_ray(
             failure_config=ray.train.FailureConfig(max_failures=0),
         ),
     )
-    log(f"train: Ray Train, {train.num_workers} worker(s) x {resources}, DeepSpeed ZeRO stage {train.zero_stage}")
+    sp = train.sequence_parallel
+    split = f", each sample split over {sp} (data parallel {train.num_workers // sp})" if sp > 1 else ""
+    log(
+        f"train: Ray Train, {train.num_workers} worker(s) x {resources}{split}, DeepSpeed ZeRO stage {train.zero_stage}"
+    )
     try:
         trainer.fit()
     except Exception as exc:  # a worker's own error reads better than Ray's wrapper
