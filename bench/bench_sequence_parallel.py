@@ -151,6 +151,7 @@ def worker(rank: int, args, port: int, results) -> None:
     dist.barrier()
     out["sp2_step_s"] = train_seconds(draft, head, cfg, length, loop, args.steps, sp)
     results[rank] = out
+    dist.barrier()  # neither rank tears gloo down while the other still uses it
     dist.destroy_process_group()
 
 

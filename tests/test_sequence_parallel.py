@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from eagle3.attention import DenseTTTAttention
+from eagle3.attention import DenseTTTAttention, FlexTTTAttention
 from eagle3.objectives import ObjectiveConfig
 from eagle3.schema import ConfigError
 from eagle3.sequence_parallel import SequenceParallel, SequenceParallelAttention, check_heads, pad_segments
@@ -28,10 +28,12 @@ SP = 2
 def _entry(rank: int, fn, port: int, args: tuple) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=SP)
-    try:
-        fn(SequenceParallel(dist.group.WORLD, rank, SP), *args)
-    finally:
-        dist.destroy_process_group()
+    fn(SequenceParallel(dist.group.WORLD, rank, SP), *args)
+    # Neither rank tears gloo down while the other still uses it: a rank leaving early made
+    # the other abort ("terminate called without an active exception"). A rank that raised
+    # never gets here; spawn then ends the other.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def on_two_ranks(fn, *args) -> None:
@@ -88,13 +90,35 @@ def _attention_matches(sp: SequenceParallel, cases: list[tuple]) -> None:
         for k, (gr, gr_sp) in enumerate(zip(grads, grads_sp)):
             torch.testing.assert_close(gr_sp[:, :, :real], gr[:, :, start : start + real], msg=f"{case} grad {k}")
             assert not gr_sp[:, :, real:].any(), f"{case}: a padding row got a gradient"
+    _flex_matches(sp)
+
+
+def _flex_matches(sp: SequenceParallel) -> None:
+    """Forward only (torch has no CPU flex backward): grouped k/v heads that divide over the
+    group travel unrepeated to the flex state, which groups them itself."""
+    import warnings
+
+    warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+    b, t, heads, kv, d, steps = 2, 11, 4, 2, 4, 3
+    seg = segments_of(b, t, True, random.Random(5))
+    g = torch.Generator().manual_seed(5)
+    qkv = [[torch.randn(b, n, t, d, generator=g, dtype=torch.float64) for n in (heads, kv, kv)] for _ in range(steps)]
+    state = DenseTTTAttention(segment_ids=seg)
+    want = [state.attend(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)) for q, k, v in qkv]
+    state = SequenceParallelAttention(FlexTTTAttention(pad_segments(seg, sp)), sp, kv)
+    assert state.native_gqa
+    got = [state.attend(*(shard(x, sp) for x in step)) for step in qkv]
+    start, real = sp.start(t), min(sp.rows(t), t - sp.start(t))
+    for j, (o, o_sp) in enumerate(zip(want, got)):
+        torch.testing.assert_close(o_sp[:, :, :real], o[:, :, start : start + real], msg=f"flex step {j}")
 
 
 def test_sharded_ttt_attention_equals_the_whole_sequence_reference():
     """Property test over random cases (float64): lengths that 2 does not divide, packed
     segments, padded rows, several TTT steps, 2 and 4 heads. Each rank's output rows and
     the gradients of its q/k/v rows equal the whole-sequence DenseTTTAttention's; the rows
-    padded to divide the length get no gradient."""
+    padded to divide the length get no gradient. And the flex state, forward only, reading
+    grouped k/v heads unrepeated."""
     rng = random.Random(51)
     cases = [
         (rng.randint(1, 2), rng.choice([5, 9, 13, 16, 23]), rng.choice([2, 4]), 4, rng.randint(1, 4), packed, seed)
@@ -225,8 +249,9 @@ def test_saved_bytes_per_rank_at_sp2_are_at_most_055_of_sp1():
 
 # ------------------------------------------------------------------ refusals
 def test_sequence_parallel_refuses_what_it_cannot_split():
-    from workflows.core.config import compose
-    from workflows.train.stage import backend_of
+    from workflows.core.config import DraftSection, compose
+    from workflows.train.checkpoint import resume_mismatch
+    from workflows.train.stage import backend_of, resume_fields
 
     with pytest.raises(ConfigError, match=r"sequence_parallel=3 does not divide the draft's num_attention_heads=4"):
         check_heads(4, 3)
@@ -240,6 +265,10 @@ def test_sequence_parallel_refuses_what_it_cannot_split():
     with pytest.raises(ConfigError, match=r"train.dropout=0.1 with train.sequence_parallel=2"):
         compose(["target=tiny", "train.dropout=0.1", "train.sequence_parallel=2"])
     train = compose(["target=tiny", "train.sequence_parallel=2"]).train
+    # A split run's checkpoint is refused by an unsplit one (another data rank per worker),
+    # and an unsplit run's resume fields are as before the setting existed.
+    split, whole = (resume_fields(t, DraftSection(), 0, "deepspeed", "key") for t in (train, compose([]).train))
+    assert resume_mismatch(split, whole) == ["sequence_parallel: 2 -> None"]
     with pytest.raises(ConfigError, match=r"train.sequence_parallel=2 splits a sample over Ray Train workers"):
         backend_of(train, "online")
     with pytest.raises(ConfigError, match=r"train.sequence_parallel=2 with train.data_source=stream"):
