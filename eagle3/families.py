@@ -59,6 +59,8 @@ class DraftFamily:
     # The engine whose export holds the draft's own tensors under its own names: the weights
     # the evaluate stage scores, as served.
     weights_export: str = "sglang"
+    # `score` takes `sp` (eagle3.sequence_parallel): one sample's rows split over ranks.
+    sequence_parallel: bool = False
 
 
 FAMILIES: dict[str, DraftFamily] = {}
@@ -91,8 +93,10 @@ def build_model(cfg: Any) -> torch.nn.Module:
 
 # ---------------------------------------------------------------------------- EAGLE-3
 def _score_eagle3(
-    draft, probs, best, weights, batch, aux, ttt: TTTConfig, objective: ObjectiveConfig, train, generator
+    draft, probs, best, weights, batch, aux, ttt: TTTConfig, objective: ObjectiveConfig, train, generator, sp=None
 ):
+    # sp (eagle3.sequence_parallel): this rank's rows of the unroll, scored against the
+    # window of targets they read (`probs`, `best`) with their `weights`; the whole batch in.
     hiddens = unroll(
         draft,
         batch["input_ids"],
@@ -103,9 +107,10 @@ def _score_eagle3(
         segment_ids=batch.get("segment_ids"),
         attention=ttt.attention,
         shift_positions=ttt.positions == "shifted",
+        sp=sp,
     )
     return score_steps(
-        draft, hiddens, probs, best, weights, ttt.decay, objective, real_positions=batch["attention_mask"].sum()
+        draft, hiddens, probs, best, weights, ttt.decay, objective, real_positions=batch["attention_mask"].sum(), sp=sp
     )
 
 
@@ -119,6 +124,7 @@ EAGLE3 = register(
         drafter=lambda draft, sglang_compatible: Eagle3Drafter(draft, sglang_compatible),
         served_methods={"sglang": "EAGLE3", "vllm": "eagle3"},
         trees=True,
+        sequence_parallel=True,
     )
 )
 

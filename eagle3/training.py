@@ -13,6 +13,7 @@ of tensors:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -25,8 +26,9 @@ from eagle3.metrics import acceptance
 from eagle3.modeling import Eagle3Draft
 from eagle3.objectives import ObjectiveConfig
 from eagle3.schema import NOT_OUTPUT, ConfigError, check_ranges
+from eagle3.sequence_parallel import SequenceParallel, target_window
 from eagle3.target_head import TargetHead
-from eagle3.ttt import TTTConfig, add_noise, shift_left, step_weights
+from eagle3.ttt import StepScores, TTTConfig, add_noise, shift_left, step_weights
 from eagle3.weight_average import WeightAverage
 
 
@@ -142,6 +144,7 @@ def forward_batch(
     objective: ObjectiveConfig | None = None,
     prompt_weight: float | None = None,
     steps: int | None = None,
+    sp: SequenceParallel | None = None,
 ):
     """Score one batch with the draft's family's pass (eagle3.families: the TTT unroll, or
     blocks); returns StepScores (loss differentiable when train).
@@ -153,20 +156,33 @@ def forward_batch(
     `ObjectiveConfig.prompt_weight`).
 
     Packed batches (eagle3.target_features.pack_samples) also carry `position_ids` and
-    `segment_ids` [B, T]; a batch without them is one sample per row."""
+    `segment_ids` [B, T]; a batch without them is one sample per row.
+
+    `sp` (eagle3.sequence_parallel): the batch is the whole group's, and this rank scores
+    its rows only: the noise and the step weights are drawn and derived on the whole
+    sequence (the same values as on one rank), then cut; the target's head runs on the
+    window of states those rows read. Each figure is this rank's share (eagle3.ttt.score_steps)."""
     if "aux_scale" in batch:  # int8 states as an int8 store holds them
         raise ValueError("forward_batch got int8 states with their scales: dequantise the batch first (data.to_device)")
     family = family_of(draft)
     aux = batch["aux"]
     if train:
         aux = add_noise(aux, ttt.noise, generator)
-    probs, best = head(batch["final"], draft.target_ids())
     length = steps or family.trained_steps(draft.cfg, ttt)
     objective = objective or ObjectiveConfig()
     # The prompt's positions count in training only, as much as ObjectiveConfig.tokens says.
     weight = 0.0 if not train else objective.prompt_weight(0, 1) if prompt_weight is None else prompt_weight
     weights = scored_steps(batch, length, weight)
-    return family.score(draft, probs, best, weights, batch, aux, ttt, objective, train, generator)
+    if sp is None:
+        probs, best = head(batch["final"], draft.target_ids())
+        return family.score(draft, probs, best, weights, batch, aux, ttt, objective, train, generator)
+    if not family.sequence_parallel:
+        raise ConfigError(
+            f"train.sequence_parallel={sp.size}: the {family.name} draft has no sequence-parallel pass "
+            "(its block attention is its own); EAGLE-3 only, or train.sequence_parallel=1"
+        )
+    probs, best = head(target_window(batch["final"], sp, length), draft.target_ids())
+    return family.score(draft, probs, best, sp.local(weights), batch, aux, ttt, objective, train, generator, sp=sp)
 
 
 def scored_steps(batch: dict, length: int, prompt_weight: float) -> torch.Tensor:
@@ -233,12 +249,25 @@ class PlainOptimizer:
 
 
 def train_step(
-    opt, head, micro_batches: list[dict], lr: float, cfg: LoopConfig, generator=None, prompt_weight=None
+    opt,
+    head,
+    micro_batches: list[dict],
+    lr: float,
+    cfg: LoopConfig,
+    generator=None,
+    prompt_weight=None,
+    sp: SequenceParallel | None = None,
 ) -> dict:
     """One optimizer step over `micro_batches` (forward, TTT loss, backward each), the one
     step every backend runs: `opt` is a PlainOptimizer or the DeepSpeed engine's wrapper.
     `prompt_weight`: see `forward_batch` (`fit` passes the schedule's). Returns the step's
-    figures, averaged over its micro-batches."""
+    figures, averaged over its micro-batches.
+
+    `sp`: this rank scores its rows of the group's batch (eagle3.sequence_parallel). The
+    data-parallel engine averages gradients over every rank, dp x sp of them, while the sp
+    ranks of a group hold shares of one batch's loss: each share is scaled by sp, so the
+    average is the mean over the dp batches, as without the split. The figures returned are
+    the group's sums (the whole batch's), the same on each of its ranks."""
     opt.begin(lr)
     opt.module.configure_training(
         cfg.activation_checkpointing == "mlp", (cfg.dropout, generator) if cfg.dropout else None
@@ -255,9 +284,10 @@ def train_step(
                 generator=generator,
                 objective=cfg.objective,
                 prompt_weight=prompt_weight,
+                sp=sp,
             )
-        opt.backward(s.loss, len(micro_batches))
-        scores.append(s)
+        opt.backward(s.loss * sp.size if sp is not None else s.loss, len(micro_batches))
+        scores.append(s if sp is None else group_figures(s, sp))
     grad_norm = opt.finish()
     n, steps = len(scores), range(len(scores[0].step_acc_t))
     return {
@@ -268,6 +298,16 @@ def train_step(
         "step_loss": [sum(s.step_loss[j] for s in scores) / n for j in steps],
         "step_alpha": [sum(s.step_alpha[j] for s in scores) / n for j in steps],
     }
+
+
+def group_figures(s: StepScores, sp: SequenceParallel) -> StepScores:
+    """A rank's StepScores with its loss and per-step figures summed over its group (one
+    all-reduce): the whole batch's figures. The per-row tensors stay this rank's."""
+    steps = len(s.step_loss_t)
+    parts = [s.loss.detach().reshape(1), s.step_loss_t, s.step_acc_t, s.step_alpha_t]
+    summed = sp.sum(torch.cat([p.double() for p in parts])).to(s.step_loss_t.dtype)
+    loss, step_loss, step_acc, step_alpha = summed.split([1, steps, steps, steps])
+    return dataclasses.replace(s, loss=loss[0], step_loss_t=step_loss, step_acc_t=step_acc, step_alpha_t=step_alpha)
 
 
 @torch.no_grad()
@@ -335,6 +375,7 @@ def fit(
     start: int = 0,
     best: dict | None = None,
     average: WeightAverage | None = None,
+    sp: SequenceParallel | None = None,
 ) -> LoopState:
     """Train from step `start` to `cfg.steps`: each step takes its micro-batches from
     `next_batches()`, at the learning rate of the warmup + cosine schedule. Evaluates every
@@ -343,7 +384,8 @@ def fit(
     resumed in between; checkpoints every `checkpoint_every` steps and at the end.
 
     `average` (cfg.ema_decay > 0) is updated after each step, and evaluation sees its
-    weights; the checkpoint hook gets the raw ones in the module, the caller saves both."""
+    weights; the checkpoint hook gets the raw ones in the module, the caller saves both.
+    `sp`: this rank's sequence-parallel group (`train_step`)."""
     hooks = hooks or LoopHooks()
     state = LoopState(best=best)
     t0, tokens_since = time.perf_counter(), 0
@@ -351,7 +393,7 @@ def fit(
     for step in range(start, cfg.steps):
         micro = next_batches()
         prompt_weight = cfg.objective.prompt_weight(step, horizon)
-        figures = train_step(opt, head, micro, lr_at(step, horizon, cfg.optim), cfg, generator, prompt_weight)
+        figures = train_step(opt, head, micro, lr_at(step, horizon, cfg.optim), cfg, generator, prompt_weight, sp)
         if average is not None:
             average.update()
         loss, tokens = figures["loss"], sum(int(b["attention_mask"].sum()) for b in micro)

@@ -32,6 +32,7 @@ from eagle3.chunked_loss import chunked_soft_ce
 from eagle3.modeling import Eagle3Draft
 from eagle3.objectives import ObjectiveConfig, chain_weights, position_loss
 from eagle3.schema import ConfigError, check_ranges
+from eagle3.sequence_parallel import SequenceParallel, SequenceParallelAttention, pad_segments
 
 
 @dataclass
@@ -110,18 +111,28 @@ def unroll(
     segment_ids: torch.Tensor | None = None,
     attention: str = "auto",
     shift_positions: bool = True,
+    sp: SequenceParallel | None = None,
 ) -> list[torch.Tensor]:
     """The TTT forward: pre-norm draft hidden states of steps 0..length-1, each [B, T, H].
 
     `attention` picks the TTT attention backend (see eagle3.attention.make_ttt_attention);
-    `shift_positions=False` keeps every step at its row's position (TTTConfig.positions)."""
+    `shift_positions=False` keeps every step at its row's position (TTTConfig.positions).
+    `sp`: this rank's rows only, [B, T/size, H] (eagle3.sequence_parallel). The shifts of the
+    tokens cross the shards, so they are taken on the whole sequence (every rank of the
+    group holds the whole batch) before this rank's rows are cut out."""
     positions, segments = packing_ids(attention_mask, position_ids, segment_ids)
-    state = make_ttt_attention(segments.to(input_ids.device), attention)
     positions = positions.to(input_ids.device)
-    hidden = draft.fuse(aux)
+    segments = segments.to(input_ids.device)
+    if sp is None:
+        state, local = make_ttt_attention(segments, attention), (lambda x: x)
+    else:
+        inner = make_ttt_attention(pad_segments(segments, sp), attention)
+        state, local = SequenceParallelAttention(inner, sp, draft.cfg.num_key_value_heads), sp.local
+    hidden = draft.fuse(local(aux))
     outs = []
     for j in range(length):
-        out = draft.step(shift_left(input_ids, 1 + j), hidden, positions + j if shift_positions else positions, state)
+        ids, pos = shift_left(input_ids, 1 + j), positions + j if shift_positions else positions
+        out = draft.step(local(ids), hidden, local(pos), state)
         outs.append(out)
         hidden = out
     return outs
@@ -191,6 +202,7 @@ def score_steps(
     decay: float,
     objective: ObjectiveConfig | None = None,
     real_positions: torch.Tensor | None = None,
+    sp: SequenceParallel | None = None,
 ) -> StepScores:
     """Loss and accuracy of each unrolled step against the target, as defined above.
 
@@ -200,27 +212,34 @@ def score_steps(
     real tokens, is the denominator of `normalise="positions"`) and how the steps are
     weighed (`decay**j`, or per position by `objective.weighting="chain"`; the reported
     per-step loss is unweighted either way). Accuracy and acceptance rate are always
-    averaged over the scored positions."""
+    averaged over the scored positions.
+
+    Sequence parallel (`sp`): `hiddens` and `weights` hold this rank's rows only and
+    `target_probs`/`target_argmax` the window of targets they read (from its first row,
+    eagle3.sequence_parallel.target_window); the denominators are the whole sequence's
+    (summed over the group), so each figure is this rank's share and the group's sum is
+    the figure of the whole sequence."""
     objective = objective or ObjectiveConfig()
     chain = objective.weighting == "chain"
     total = 0.0
     step_loss, step_acc, step_alpha, correct, guesses = [], [], [], [], []
     weighed, hit_chance = [], []  # chain: each step's (masked per-position loss, denominator), and c_j
-    length = target_probs.shape[1]
+    length, t = target_probs.shape[1], weights.shape[1]  # targets read; rows scored (equal unless sp)
+    group_sum = sp.sum if sp is not None else (lambda x: x)
     for j, hidden in enumerate(hiddens):
         # Rows t < T-1-j only: the later ones have no label (weight 0). Slicing, not a
         # shifted copy, keeps the target's [T, Vd] distribution one shared tensor for every
         # step (autograd saves views of it, not a copy per step), and scores fewer rows.
-        rows = max(length - 1 - j, 0)
+        rows = min(t, max(length - 1 - j, 0))
         w = weights[:, :rows, j]
-        probs = target_probs[:, 1 + j :]
-        best = target_argmax[:, 1 + j :]
-        denom = w.sum().clamp_min(1.0)
+        probs = target_probs[:, 1 + j : 1 + j + rows]
+        best = target_argmax[:, 1 + j : 1 + j + rows]
+        denom = group_sum(w.sum()).clamp_min(1.0)
         w_loss = w * draft.t2d[best].to(w.dtype) if objective.skip_unreachable else w
         loss_denom = (
             real_positions.to(w.dtype)
             if objective.normalise == "positions" and real_positions is not None
-            else w_loss.sum()
+            else group_sum(w_loss.sum())
         ).clamp_min(1.0)
         if objective.loss_block_rows:  # soft_ce without keeping [rows, Vd] (eagle3.chunked_loss)
             per_position, guess, alpha = chunked_soft_ce(
@@ -235,7 +254,7 @@ def score_steps(
                 with torch.no_grad():
                     c = log_q.gather(-1, probs.argmax(-1, keepdim=True)).squeeze(-1).exp()
                     c = c * draft.t2d[best] * (w > 0)
-                hit_chance.append(torch.nn.functional.pad(c, (0, length - rows)))
+                hit_chance.append(torch.nn.functional.pad(c, (0, t - rows)))
         loss_j = (per_position * w_loss).sum() / loss_denom
         if chain:
             weighed.append((per_position * w_loss, loss_denom))
@@ -243,8 +262,8 @@ def score_steps(
             total = total + (decay**j) * loss_j
         guess = draft.draft_to_target(guess)
         hit = guess == best
-        correct.append(torch.nn.functional.pad(hit, (0, length - rows), value=False))
-        guesses.append(torch.nn.functional.pad(guess, (0, length - rows)))
+        correct.append(torch.nn.functional.pad(hit, (0, t - rows), value=False))
+        guesses.append(torch.nn.functional.pad(guess, (0, t - rows)))
         step_loss.append(loss_j.detach())
         step_acc.append((hit.float() * w).sum() / denom)
         step_alpha.append((alpha.detach() * w).sum() / denom)

@@ -199,6 +199,27 @@ def test_deepspeed_on_one_worker_matches_the_plain_loop(tiny_target, captured, t
     assert set(m_ray["step_acc_by_position"]) and set(m_ray["acceptance_walk_by_prompt_length"])
 
 
+# Slow: a Ray start and two DeepSpeed workers (~30 s on 2 cores), the one run that checks the
+# wiring of train.sequence_parallel (its maths are tests/test_sequence_parallel.py's).
+@pytest.mark.slow
+def test_sequence_parallel_on_two_ray_workers_trains_as_one_worker(tiny_target, captured, tmp_path):
+    """train.num_workers=2 train.sequence_parallel=2 (one SP group of 2: each sample split
+    over both workers, data rank 0 of 1) completes, and its steps' losses, accuracies and
+    token counts equal the plain loop's on the same data within float32 tolerance."""
+    args = ("stages=[train]", "train.steps=2", "train.checkpoint_every=0", "train.eval_every=2", "train.log_every=1")
+    split = copy_run(captured, tmp_path / "split")
+    plain = copy_run(captured, tmp_path / "plain")
+    full.run(compose(overrides(tiny_target, split, *args, "train.num_workers=2", "train.sequence_parallel=2")))
+    full.run(compose(overrides(tiny_target, plain, *args, "train.backend=local")))
+    got, want = records(split), records(plain)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1]
+    for g, w in zip(got, want):
+        assert g["tokens"] == w["tokens"]
+        for key in ("loss", "step_acc", "step_loss"):
+            torch.testing.assert_close(g[key], w[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert (split / "train" / "draft" / "draft.safetensors").exists()
+
+
 @pytest.mark.slow
 @AVERAGING
 def test_online_states_train_through_the_same_loop_and_resume_exactly(tiny_target, captured, tmp_path, averaging):

@@ -22,6 +22,7 @@ from eagle3.draft_config import DraftConfig
 from eagle3.dspark.config import DSparkSettings
 from eagle3.families import family_named
 from eagle3.schema import NOT_OUTPUT, ConfigError, check_ranges, from_dict
+from eagle3.sequence_parallel import check_heads
 from eagle3.target_spec import TargetSpec
 from eagle3.training import LoopConfig
 
@@ -225,6 +226,10 @@ class TrainSection(LoopConfig):
     # Restarts of the worker group after a worker fails, each from the last checkpoint, before
     # the run fails; 0: the first failure ends the run, and a rerun resumes.
     max_failures: int = field(default=0, metadata=NOT_OUTPUT)
+    # Ulysses sequence parallelism (eagle3.sequence_parallel): each sample split over this
+    # many workers along the sequence, the attention's heads shared out among them; the
+    # data-parallel degree is num_workers / sequence_parallel. EAGLE-3 on Ray Train only.
+    sequence_parallel: int = 1
     cpus_per_worker: float = 1  # CPUs Ray reserves per training worker
     gpus_per_worker: float = 0  # > 0: CUDA workers with NCCL
     zero_stage: int = 1  # DeepSpeed ZeRO stage (0-2)
@@ -292,6 +297,7 @@ class TrainSection(LoopConfig):
             keep_checkpoints=">=1",
             eval_max_samples=">=1",
             stream_budget_bytes=">=1",
+            sequence_parallel=">=1",
         )
         if self.min_workers > self.num_workers:
             raise ConfigError(
@@ -303,6 +309,7 @@ class TrainSection(LoopConfig):
                 f"{where}.min_workers={self.min_workers}: an elastic group goes on after losing a worker by "
                 f"restarting from the last checkpoint; allow it with {where}.max_failures >= 1"
             )
+        self._validate_sequence_parallel(where)
         # A worker trains on one device, the one DeepSpeed and the batches share
         # (workflows.train.ray_job): a GPU fraction would put several ranks on one GPU, more
         # than one would leave the rest idle.
@@ -310,6 +317,35 @@ class TrainSection(LoopConfig):
             raise ConfigError(
                 f"{where}.gpus_per_worker={self.gpus_per_worker:g}: each Ray Train worker trains on "
                 f"one GPU (0: on the CPU); for more GPUs raise {where}.num_workers, one worker per GPU"
+            )
+
+    def _validate_sequence_parallel(self, where: str) -> None:
+        sp = self.sequence_parallel
+        if sp == 1:
+            return
+        if self.num_workers % sp:
+            raise ConfigError(
+                f"{where}.num_workers={self.num_workers} is not a multiple of {where}.sequence_parallel={sp}: "
+                "the workers form groups of sequence_parallel, one sample per group"
+            )
+        if self.backend == "local":
+            raise ConfigError(
+                f"{where}.sequence_parallel={sp} splits a sample over Ray Train workers: use "
+                f"{where}.backend=ray (or auto), not {where}.backend=local"
+            )
+        # Ray Train sizes an elastic group by what the cluster holds, which need not be a
+        # multiple of the split (a resume on another train.num_workers that is one works).
+        if self.elastic:
+            raise ConfigError(
+                f"{where}.min_workers={self.min_workers} (elastic scaling) with {where}.sequence_parallel={sp}: "
+                "a shrunken group need not split by sequence_parallel; set min_workers=0"
+            )
+        # Dropout masks are drawn per rank from the shapes each rank holds: a split sample
+        # would draw other masks than the whole one.
+        if self.dropout:
+            raise ConfigError(
+                f"{where}.dropout={self.dropout:g} with {where}.sequence_parallel={sp}: residual dropout "
+                "is not split over the sequence; set one of them off"
             )
 
 
@@ -577,6 +613,14 @@ class FullConfig:
         self.draft.capture_ids(self.target)  # refuses ids the target lacks, naming the field
         for name in self.capture.families:
             self.draft.capture_ids(self.target, name)
+        sp = self.train.sequence_parallel
+        if sp > 1 and self.draft.family != "eagle3":
+            raise ConfigError(
+                f"train.sequence_parallel={sp} with draft.family={self.draft.family}: sequence parallelism "
+                "splits the EAGLE-3 TTT unroll only (a block draft's attention is its own); set it to 1"
+            )
+        if sp > 1:
+            check_heads(self.target.layer_shape()["num_attention_heads"], sp)
         if self.draft.family == "eagle3":
             if self.train.acceptance_k > self.train.ttt.length:
                 raise ConfigError(

@@ -108,7 +108,9 @@ def run_with_ray(
         ),
     )
     size = f"{train.min_workers}-{train.num_workers} (elastic)" if train.elastic else str(train.num_workers)
-    log(f"train: Ray Train, {size} worker(s) x {resources}, DeepSpeed ZeRO stage {train.zero_stage}")
+    sp = train.sequence_parallel
+    split = f", each sample split over {sp} (data parallel {train.num_workers // sp})" if sp > 1 else ""
+    log(f"train: Ray Train, {size} worker(s) x {resources}{split}, DeepSpeed ZeRO stage {train.zero_stage}")
     try:
         trainer.fit()
     except Exception as exc:  # a worker's own error reads better than Ray's wrapper

@@ -67,11 +67,23 @@ def backend_of(train: TrainSection, source: str) -> str:
             "train.data_source=stream feeds Ray Train workers: use train.backend=ray (or auto); "
             "train.data_source=online computes the states in this process"
         )
+    if source == "stream" and train.sequence_parallel > 1:
+        raise ConfigError(
+            f"train.sequence_parallel={train.sequence_parallel} with train.data_source=stream: the stream "
+            "feeds each worker its own samples, while a sequence-parallel group shares one; train from "
+            "the store (train.data_source=store)"
+        )
     if source == "online":
         if train.backend == "ray":
             raise ConfigError(
                 "train.backend=ray trains from the store: run the capture stage first, or set "
                 "train.backend=local for online states"
+            )
+        if train.sequence_parallel > 1:
+            raise ConfigError(
+                f"train.sequence_parallel={train.sequence_parallel} splits a sample over Ray Train workers, "
+                "which train from the store (or the stream): run the capture stage first; online states "
+                "train in this process"
             )
         return "online"
     return "plain" if train.backend == "local" else "deepspeed"
@@ -82,8 +94,13 @@ def resume_fields(
 ) -> dict:
     """What a checkpoint must agree on to be resumed: the data, the schedule, the maths, and
     the world size unless the resume can change it (`elastic`: the store path on Ray Train,
-    workflows.train.elastic)."""
+    workflows.train.elastic). `sequence_parallel` is there only when above 1 (an SP 1 run's
+    fields are as before it existed): a split run's data rank is rank // sequence_parallel,
+    so its checkpoints hold another stream position per rank than an unsplit run's, and are
+    refused by it."""
+    split = {"sequence_parallel": train.sequence_parallel} if train.sequence_parallel > 1 else {}
     fields = {
+        **split,
         "data": store_key,
         "ttt": to_dict(train.ttt),
         "objective": to_dict(train.objective),

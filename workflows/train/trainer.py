@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3.families import build_model
+from eagle3.sequence_parallel import SequenceParallel
 from eagle3.target_spec import TargetSpec
 from eagle3.training import LoopHooks, PlainOptimizer, fit, make_optimizer
 from eagle3.weight_average import WeightAverage
@@ -212,12 +213,30 @@ def trained_ledger(cfg: FullConfig) -> Path:
     return Path(cfg.run_dir) / "train" / "trained"
 
 
+def sequence_parallel_group(rank: int, world: int, size: int) -> SequenceParallel:
+    """This rank's group of `size` consecutive ranks. torch.distributed.new_group is
+    collective: every rank creates every group, in the same order."""
+    import torch.distributed as dist
+
+    mine = None
+    for first in range(0, world, size):
+        group = dist.new_group(list(range(first, first + size)))
+        if first <= rank < first + size:
+            mine = group
+    return SequenceParallel(mine, rank % size, size)
+
+
 class Trainer:
     def __init__(self, job: TrainJob, rank: int = 0, world: int = 1, device: torch.device | None = None, source=None):
         """`source`: where the batches come from (workflows.train.sources); None: the job's
         (the store's shards, or the stream of engine actors on a Ray Train worker)."""
         self.job, self.rank, self.world = job, rank, world
         self.cfg = cfg = job.config
+        # Sequence parallel: groups of `sp` consecutive ranks share one stream of batches
+        # (data rank rank // sp of world // sp) and split each sample (eagle3.sequence_parallel).
+        size = cfg.train.sequence_parallel if job.backend == "deepspeed" else 1
+        self.sp = sequence_parallel_group(rank, world, size) if size > 1 else None
+        self.data_rank, self.data_world = rank // size, world // size
         self.loop_cfg = cfg.train
         self.device = device or torch.device(cfg.train.device if job.backend == "plain" else "cpu")
         self.layout = RunLayout.of(cfg)
@@ -228,6 +247,8 @@ class Trainer:
         head_dtype = torch.bfloat16 if cfg.train.compute_dtype == "bfloat16" else torch.float32
         self.head = read_target_head(Path(job.target_path), job.final_is_normed).to(self.device, head_dtype)
         self.source = source if source is not None else job_source(job, cfg.train.on_corrupt_shard)
+        if rank % size and getattr(self.source, "ledger", None) is not None:
+            self.source.ledger = None  # a sequence-parallel group trains one stream: its first rank records it
         self.opt = (
             DeepSpeedStep(draft, cfg.train, world, self.device)
             if job.backend == "deepspeed"
@@ -236,7 +257,8 @@ class Trainer:
         self.draft = self.opt.module
         # The model evaluated and saved, with train.ema_decay: the raw weights' moving average
         self.average = WeightAverage(self.draft, cfg.train.ema_decay) if cfg.train.ema_decay else None
-        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed + rank)
+        # The noise is drawn on the whole sample: the ranks of a group draw the same values.
+        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed + self.data_rank)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict:
@@ -266,7 +288,9 @@ class Trainer:
                 self.opt.load(restore_from, resized=True)
                 if self.rank < saved_world:  # a new rank's noise starts from its seed
                     self.generator.set_state(states[self.rank]["generator"])
-                position = self.source.elastic_position([s["position"] for s in states], self.cfg.seed)
+                # one position per data rank: the ranks of a sequence-parallel group share theirs
+                group = self.world // self.data_world
+                position = self.source.elastic_position([s["position"] for s in states[::group]], self.cfg.seed)
             if self.job.backend == "plain":  # DeepSpeed's files hold the module's weights
                 raw = restore_from / ckpt.TRAINING_WEIGHTS if self.average else None
                 load_draft_weights(restore_from / ckpt.DRAFT, self.draft, file=raw)
@@ -285,8 +309,8 @@ class Trainer:
         stream.open(
             batch_settings(train, self.job.pad_id),
             self.cfg.seed,
-            self.rank,
-            self.world,
+            self.data_rank,
+            self.data_world,
             position,
             prefetch=train.prefetch_batches,
             pin=self.device.type == "cuda",
@@ -314,6 +338,7 @@ class Trainer:
                 start=start,
                 best=best,
                 average=self.average,
+                sp=self.sp,
             )
         finally:
             stream.close()
@@ -340,7 +365,8 @@ class Trainer:
 
         t = torch.tensor([loss, float(tokens)], dtype=torch.float64, device=self._comm_device())
         dist.all_reduce(t)
-        return float(t[0]) / self.world, int(t[1])
+        # The ranks of a sequence-parallel group hold the same batch (and its whole loss).
+        return float(t[0]) / self.world, int(t[1]) // (self.world // self.data_world)
 
     def _comm_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
