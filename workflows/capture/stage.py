@@ -14,7 +14,9 @@ retried once by its actor, then reported: the others finish, the stage ends with
 naming the failed shards (also in `capture/summary.json`). A killed actor is restarted and
 its batch rerun (`capture.max_actor_restarts`). A rerun skips committed shards, commits
 shards whose writer finished but were never committed, and rewrites half-written or failed
-ones. The store is then verified; the stage is marked done only when `verify` is clean.
+ones. The store is then verified and spot-checked (workflows.capture.spot_check: a few
+samples recomputed by HF in the driver, every captured layer compared); the stage is marked
+done only when both are clean.
 Output: the store (`capture.store`, default `<run_dir>/store`) and `<run_dir>/capture/`.
 """
 
@@ -30,9 +32,11 @@ from pathlib import Path
 
 from eagle3.layer_ids import validate_capture_ids
 from eagle3.schema import ConfigError, output_dict
+from storage.reader import StoreReader
 from storage.store import HiddenStateStore, state_dtype_of
 from storage.verify import verify
 from workflows.capture.sizing import check_space, corpus_figures, estimate, measured_capture_tokens_per_s, projection
+from workflows.capture.spot_check import available_memory, checkpoint_parameters, skip_reason, spot_check
 from workflows.capture.writer import CorpusFiles, ShardRef, capture_and_write
 from workflows.core.cluster import ensure_ray
 from workflows.core.config import FullConfig
@@ -232,6 +236,13 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
                 f"{report['problems'][0]}; see {layout.capture_summary_file}; `python -m storage.verify "
                 f"{url}` lists them, and a rerun with capture.store moved away captures afresh"
             )
+        try:
+            summary["spot_check"] = run_spot_check(cfg, target_path, url)
+        except StageFailure as exc:
+            summary["spot_check"] = {"ran": True, "failed": str(exc)}
+            raise
+        finally:
+            write_json_atomic(layout.capture_summary_file, {**summary, "verify": report})
         log(
             f"capture: {summary['samples']} samples, {summary['tokens']} tokens in {summary['shards']} shards; "
             f"per actor {per_actor}; verify clean"
@@ -239,6 +250,22 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         return summary
 
     return run_stage("capture", out, key, build, shown=url)
+
+
+def run_spot_check(cfg: FullConfig, target_path, url: str) -> dict:
+    """The spot check of the committed store against HF in this process (workflows.capture.
+    spot_check), or why it did not run: capture.spot_check_samples=0, or the memory guard."""
+    c = cfg.capture
+    if c.spot_check_samples == 0:
+        return {"ran": False, "reason": "capture.spot_check_samples=0"}
+    # The driver's own thread count is left alone (threads 0).
+    spec = {**engine_spec(cfg, target_path), "threads": 0}
+    reason = skip_reason(checkpoint_parameters(target_path), spec["dtype"], available_memory())
+    if reason is not None:
+        log(f"capture: spot check skipped: {reason}")
+        return {"ran": False, "reason": reason}
+    reader = StoreReader(url, c.storage_options)
+    return spot_check(reader, target_path, spec, c.spot_check_samples, c.state_dtype)
 
 
 def _capture_with_ray(
