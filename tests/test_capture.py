@@ -65,6 +65,9 @@ def test_capture_is_bit_exact_and_resumes_after_a_crash(tiny_target, corpus, tmp
     assert json.loads((run_dir / "capture" / "DONE.json").read_text())["summary"]["spot_check"] == spot
     prov = reader.provenance
     assert prov["capture_layer_ids"] == [0, 2, 4] and prov["layer_id_convention"] == "output_of_layer"
+    # The layers the engines reported capturing: per actor, in the summary and in the store.
+    assert prov["engine_captured_layer_ids"] == summary["engine_captured_layer_ids"] == [0, 2, 4]
+    assert {tuple(a["captured_layer_ids"]) for a in summary["per_actor"].values()} == {(0, 2, 4)}
     assert prov["final_is_normed"] is True and prov["backend"] == "hf" and prov["tokenizer_sha256"]
 
     # Bit-exact against a direct single-sample HF capture, rounded to bf16 the same way.
@@ -217,6 +220,21 @@ def test_store_refuses_a_contradicting_config_and_the_spot_check_a_tampered_stor
     with pytest.raises(StageFailure, match=rf"shard {shard}, sample '{sample}', layer id 2: .*of the token's scale"):
         capture.run_spot_check(cfg, tiny_target, url)
 
+    # (b) A store whose engine reported capturing other layers than it names: the train side
+    # refuses to open it, and an actor reporting them ends the stage, naming both lists.
+    from storage.store import HiddenStateStore, StoreError
+    from workflows.core.layout import RunLayout
+
+    HiddenStateStore(url).record({"engine_captured_layer_ids": [1, 3, 5]})
+    with pytest.raises(
+        StoreError,
+        match=r"names capture ids \[0, 2, 4\] but its hf capture engine reported "
+        r"capturing ids \[1, 3, 5\]",
+    ):
+        RunLayout.of(cfg).open_store()
+    with pytest.raises(StageFailure, match=r"actor a's engine reports capturing ids \[1, 3, 5\] where the store's"):
+        capture.record_captured_layers(HiddenStateStore(url), [0, 2, 4], {"a": {"captured_layer_ids": [1, 3, 5]}})
+
 
 def tamper(store_url: str, shard: str, k: int, change) -> None:
     """Rewrite sample `k` of `shard` through the store's writer, its aux states [T, 3, H]
@@ -324,6 +342,11 @@ def test_the_capture_stage_on_sglang_uses_one_engine_per_actor_and_one_forward(
     n_shards = len(capture_plan.plan_shards(corpus_rows(run_dir), 3)[0])
     assert summary["verify_ok"] and actor["shards"] == n_shards > 2 * cfg.capture.shards_per_call  # several calls
     assert (actor["engine_starts"], actor["final_state"]) == (1, "runner")
+    # What SGLang's Llama model reports capturing (inputs of layers 2, 4, 5: ids 1, 3 and the
+    # tail's input 4, whose last layer gives id 5), recorded in the store.
+    assert (actor["layers_to_capture"], actor["captured_layer_ids"]) == ([2, 4, 5], [1, 3, 5])
+    prov = StoreReader(str(run_dir / "store")).provenance
+    assert (prov["engine_layers_to_capture"], prov["engine_captured_layer_ids"]) == ([2, 4, 5], [1, 3, 5])
     reader = StoreReader(str(run_dir / "store"))
     hf = make_engine("hf", EngineSpec(str(tiny_target), capture_ids=[1, 3, 5]))
     for sample_id in reader.sample_ids[:4]:

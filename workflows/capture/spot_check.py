@@ -170,7 +170,8 @@ def spot_check(reader, target_path, engine_spec: dict, samples: int, state_dtype
             f"differs from an HF recomputation by {b['max_rel_diff']:.3g} of the token's scale at token "
             f"{b['token']} (|diff| {b['max_abs_diff']:.4g}, scale {b['scale']:.4g}; tolerance {tol:.3g} for "
             f"{state_dtype} states of a {dtype} engine); {len(bad)} of {len(figures)} layer checks differ; "
-            "the capture is not marked done: the engine captured other states than HF's"
+            "the capture is not marked done: the store holds other states than HF computes; find the "
+            "cause, move capture.store away and recapture"
         )
     log(
         f"capture: spot check of {len(where)} sample(s) x {len(record['layers'])} layers against HF: max "

@@ -99,6 +99,10 @@ class CaptureActor:
             # actor for the stage) and where the final state came from.
             r["engine_starts"] = int(getattr(self.engine, "engine_starts", 1))
             r["final_state"] = getattr(self.engine, "final_method", None) or "forward"
+            # The ids the engine reports its stored blocks hold (SGLang: from the layers its model
+            # set up to capture; JSON: None where it cannot tell), checked and recorded by the driver.
+            r["captured_layer_ids"] = json.dumps(getattr(self.engine, "captured_layer_ids", None))
+            r["layers_to_capture"] = json.dumps(getattr(self.engine, "layers_to_capture", None))  # SGLang's own
             if self.metrics and not r["error"]:
                 tags = {"actor": self.name}
                 self.metrics["tokens"].inc(r["n_tokens"], tags=tags)
@@ -150,6 +154,8 @@ class Results:
         a["write_s"] += float(row["write_seconds"])
         a["engine_starts"] = max(a.get("engine_starts", 0), int(row.get("engine_starts", 1)))
         a["final_state"] = row.get("final_state", "forward")
+        a["captured_layer_ids"] = json.loads(row.get("captured_layer_ids") or "null")
+        a["layers_to_capture"] = json.loads(row.get("layers_to_capture") or "null")
 
     def per_actor_summary(self) -> dict[str, dict]:
         return {
@@ -205,6 +211,7 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
             result = _capture_with_ray(cfg, target_path, store, todo, size["tokens"], tqdm)
         store.compact()  # fold the per-shard commit log into manifest.parquet, once
         per_actor = result.per_actor_summary()
+        captured = record_captured_layers(store, ids, per_actor)
         result.failed.sort(key=lambda f: f["shard"])
         summary = {
             **store.summary(),
@@ -218,6 +225,7 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
             "failed_shards": result.failed,
             "bytes_per_token": size["bytes_per_token"],
             "state_dtype": c.state_dtype,
+            "engine_captured_layer_ids": captured,
         }
         if result.failed:  # the other shards are committed; a rerun retries only these
             write_json_atomic(layout.capture_summary_file, {**summary, "verify_ok": None})
@@ -250,6 +258,27 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         return summary
 
     return run_stage("capture", out, key, build, shown=url)
+
+
+def record_captured_layers(store: HiddenStateStore, ids: list[int], per_actor: dict) -> list[int] | None:
+    """Check the ids this run's engines report capturing against the store's and record them in
+    its provenance (`engine_captured_layer_ids`: the doctor and the train side compare drafts
+    with them); returns what the store records (an earlier run's, when no shard was new here)."""
+    reported = {name: a["captured_layer_ids"] for name, a in per_actor.items() if a.get("captured_layer_ids")}
+    for name, got in reported.items():
+        if got != list(ids):
+            raise StageFailure(
+                f"capture: actor {name}'s engine reports capturing ids {got} where the store's capture ids are "
+                f"{list(ids)}: its shards hold other layers' states; fix the layer-id rule, move capture.store "
+                "away and recapture"
+            )
+    if reported:
+        inputs = next((a["layers_to_capture"] for a in per_actor.values() if a.get("layers_to_capture")), None)
+        store.record(
+            {"engine_captured_layer_ids": list(ids)}
+            | ({"engine_layers_to_capture": inputs} if inputs else {})  # SGLang's own list: inputs of layers
+        )
+    return store.provenance.get("engine_captured_layer_ids")
 
 
 def run_spot_check(cfg: FullConfig, target_path, url: str) -> dict:
