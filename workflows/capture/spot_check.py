@@ -11,11 +11,17 @@ wrong slots, a writer or codec bug) then cannot reach training unseen.
 
 The figure: per token, max |stored - reference| over the layer's H values divided by
 max |reference| over the same values (the token's own scale: an int8 store quantises exactly
-that slice, and bf16 rounds each element relative to itself), the worst token reported.
-The tolerance comes from the dtypes: the store's rounding (bf16: 2**-8; int8: half a step,
-1/254, plus the bf16 read-back, 2**-8) plus the engines' arithmetic (float32: 1e-3, kernel
-order; bf16/fp16: 2**-4, two bf16 stacks' rounding accumulated over the layers). A layer
-shifted by one, another layer's states or a scaled layer differ by far more (0.2 to 1).
+that slice, and bf16 rounds each element relative to itself), averaged over the sample's
+tokens (`rel_diff`; the worst token's figures are reported beside it). The average, not the
+worst token: in bf16 a MoE target's routing flips on a few tokens, while a wrong layer is
+wrong on every token. The tolerance comes from the dtypes: the store's rounding (bf16: 2**-8;
+int8: half a step, 1/254, plus the bf16 read-back, 2**-8) plus the engines' arithmetic
+(float32: 1e-3, kernel order; bf16/fp16: 2**-5, two bf16 stacks' rounding over the layers).
+bench/bench_spot_check.py (SGLang bf16 against HF bf16): tiny_kimi averages <= 0.015 (worst
+token 0.30) where its neighbouring ids 3 and 4 differ by 0.059, the tiny Llama <= 0.013
+against >= 0.27; a layer scaled by 1.5 shows 0.5. In a deep bf16 target neighbouring layers
+can be closer still: the layers each engine reports capturing (`engine_captured_layer_ids`,
+workflows.capture.stage) guard the ids there.
 
 The guard: the check loads the whole target in the driver. It runs only when that fits:
 parameters (from the checkpoint's safetensors headers) x the dtype's bytes x 1.25, plus
@@ -35,7 +41,7 @@ from pathlib import Path
 from workflows.core.errors import StageFailure
 
 STORE_TOLERANCE = {"bfloat16": 2.0**-8, "int8": 1 / 254 + 2.0**-8}
-ENGINE_TOLERANCE = {"float32": 1e-3, "bfloat16": 2.0**-4, "float16": 2.0**-4}
+ENGINE_TOLERANCE = {"float32": 1e-3, "bfloat16": 2.0**-5, "float16": 2.0**-5}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LOAD_OVERHEAD = 1.25  # the load's transient copies and the allocator's slack
 WORKING_BYTES = 1 << 30  # activations of a few samples, the tokenizer, Python
@@ -106,18 +112,20 @@ def pick(reader, n: int) -> list[tuple[str, int]]:
 
 
 def compare(stored, reference, layer: str) -> dict:
-    """The worst token's relative difference of one layer's [T, H] states, and its figures."""
+    """One layer's [T, H] states against the reference: the per-token relative difference
+    averaged over the tokens (`rel_diff`, what the tolerance bounds) and the worst token's."""
     import torch
 
     s, r = stored.float(), reference.float()
     diff, scale = (s - r).abs().amax(dim=1), r.abs().amax(dim=1)
     rel = diff / scale.clamp_min(1e-30)
     rel = torch.where(scale == 0, diff.clamp_max(1.0) * (diff > 0), rel)  # an all-zero reference row
-    t = int(rel.argmax())
+    t = int(rel.nan_to_num(float("inf")).argmax())
     return {
         "layer": layer,
-        "max_rel_diff": float(rel[t]),
+        "rel_diff": float(rel.mean()),
         "token": t,
+        "token_rel_diff": float(rel[t]),
         "max_abs_diff": float(diff[t]),
         "scale": float(scale[t]),
     }
@@ -138,6 +146,7 @@ def spot_check(reader, target_path, engine_spec: dict, samples: int, state_dtype
     where = pick(reader, samples)
     spec = {**engine_spec, "device": "cpu", "capture_ids": ids, "tp_size": 1}
     ref_engine = HFEngine(EngineSpec(**{k: v for k, v in spec.items() if k in EngineSpec.__dataclass_fields__}))
+    loaded = time.perf_counter()
     worst, figures = None, []
     for shard, k in where:
         got = reader.sample_at(shard, k)
@@ -149,7 +158,7 @@ def spot_check(reader, target_path, engine_spec: dict, samples: int, state_dtype
         for name, stored, ref in [*layers, ("final", got["final"], final)]:
             f = {"shard": shard, "sample": got["id"], **compare(stored, ref, name)}
             figures.append(f)
-            if worst is None or f["max_rel_diff"] > worst["max_rel_diff"]:
+            if worst is None or not f["rel_diff"] <= worst["rel_diff"]:
                 worst = f
     seconds = round(time.perf_counter() - started, 2)
     record = {
@@ -158,23 +167,25 @@ def spot_check(reader, target_path, engine_spec: dict, samples: int, state_dtype
         "layers": [f"id {i}" for i in ids] + ["final"],
         "reference": f"HF transformers on the driver's CPU, {dtype}",
         "tolerance": tol,
-        "max_rel_diff": worst["max_rel_diff"] if worst else 0.0,
+        "rel_diff": worst["rel_diff"] if worst else 0.0,  # the worst layer's, of the worst sample
         "worst": worst,
-        "seconds": seconds,
+        "seconds": seconds,  # of which loading the HF reference:
+        "load_seconds": round(loaded - started, 2),
     }
-    bad = [f for f in figures if not f["max_rel_diff"] <= tol]  # NaN fails too
+    bad = [f for f in figures if not f["rel_diff"] <= tol]  # NaN fails too
     if bad:
         b = bad[0]
         raise StageFailure(
             f"capture spot check: shard {b['shard']}, sample {b['sample']!r}, layer {b['layer']}: the store "
-            f"differs from an HF recomputation by {b['max_rel_diff']:.3g} of the token's scale at token "
-            f"{b['token']} (|diff| {b['max_abs_diff']:.4g}, scale {b['scale']:.4g}; tolerance {tol:.3g} for "
-            f"{state_dtype} states of a {dtype} engine); {len(bad)} of {len(figures)} layer checks differ; "
-            "the capture is not marked done: the store holds other states than HF computes; find the "
-            "cause, move capture.store away and recapture"
+            f"differs from an HF recomputation by {b['rel_diff']:.3g} of the tokens' scale on average (worst "
+            f"token {b['token']}: {b['token_rel_diff']:.3g}, |diff| {b['max_abs_diff']:.4g}, scale {b['scale']:.4g}); "
+            f"tolerance {tol:.3g} for {state_dtype} states of a {dtype} engine; {len(bad)} of {len(figures)} layer "
+            "checks differ; the capture is not marked done: the store holds other states than HF computes; find "
+            "the cause, move capture.store away and recapture"
         )
     log(
-        f"capture: spot check of {len(where)} sample(s) x {len(record['layers'])} layers against HF: max "
-        f"relative difference {record['max_rel_diff']:.3g} (tolerance {tol:.3g}), {seconds} s"
+        f"capture: spot check of {len(where)} sample(s) x {len(record['layers'])} layers against HF: relative "
+        f"difference {record['rel_diff']:.3g} (tolerance {tol:.3g}), {seconds} s "
+        f"({record['load_seconds']} s loading HF)"
     )
     return record
