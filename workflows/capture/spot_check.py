@@ -168,6 +168,7 @@ def spot_check(reader, target_path, engine_spec: dict, samples: int, state_dtype
         "reference": f"HF transformers on the driver's CPU, {dtype}",
         "tolerance": tol,
         "rel_diff": worst["rel_diff"] if worst else 0.0,  # the worst layer's, of the worst sample
+        "max_token_rel_diff": max((f["token_rel_diff"] for f in figures), default=0.0),  # reported only
         "worst": worst,
         "seconds": seconds,  # of which loading the HF reference:
         "load_seconds": round(loaded - started, 2),
