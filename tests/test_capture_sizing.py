@@ -124,3 +124,21 @@ def test_the_spot_check_is_skipped_for_a_target_above_the_drivers_memory(tiny_ta
     assert record["ran"] is False and record["reason"].endswith("which has 67.1 MB available")
     (line,) = [x for x in capsys.readouterr().out.splitlines() if "spot check" in x]
     assert "capture: spot check skipped: an HF reference of the target" in line
+    # A target transformers cannot load has no second implementation here: skipped the same way.
+    from types import SimpleNamespace
+
+    import workflows.core.engines as engines
+
+    def refuse(spec):
+        raise ValueError("unknown quantization method 'mystery'")
+
+    monkeypatch.setattr(engines, "HFEngine", refuse)
+    reader = SimpleNamespace(provenance={"capture_layer_ids": [0, 2, 4]}, shards=[{"shard": "s", "n_samples": 1}])
+    record = spot_check.spot_check(
+        reader, tiny_target, {"dtype": "float32", "target_path": str(tiny_target)}, 2, "int8"
+    )
+    assert record == {
+        "ran": False,
+        "reason": "HF transformers cannot load the target as a reference (ValueError: unknown quantization "
+        "method 'mystery')",
+    }

@@ -27,7 +27,8 @@ The guard: the check loads the whole target in the driver. It runs only when tha
 parameters (from the checkpoint's safetensors headers) x the dtype's bytes x 1.25, plus
 1 GiB of working memory, within the memory this machine has available; otherwise it is
 skipped with one log line and the reason in the capture summary (a 1T-parameter Kimi-K2.5
-needs ~2.6 TB). With capture.backend=hf the reference is the same code in a fresh process:
+needs ~2.6 TB); so is a target that transformers cannot load (its reason recorded the same
+way). With capture.backend=hf the reference is the same code in a fresh process:
 it still checks the actors' packing, the writer, the codec and the reader, not HF's hooks.
 """
 
@@ -145,7 +146,12 @@ def spot_check(reader, target_path, engine_spec: dict, samples: int, state_dtype
     tol = tolerance(state_dtype, dtype)
     where = pick(reader, samples)
     spec = {**engine_spec, "device": "cpu", "capture_ids": ids, "tp_size": 1}
-    ref_engine = HFEngine(EngineSpec(**{k: v for k, v in spec.items() if k in EngineSpec.__dataclass_fields__}))
+    try:
+        ref_engine = HFEngine(EngineSpec(**{k: v for k, v in spec.items() if k in EngineSpec.__dataclass_fields__}))
+    except Exception as exc:  # no second implementation here (e.g. a quantisation transformers cannot load)
+        reason = f"HF transformers cannot load the target as a reference ({type(exc).__name__}: {exc})"
+        log(f"capture: spot check skipped: {reason}")
+        return {"ran": False, "reason": reason}
     loaded = time.perf_counter()
     worst, figures = None, []
     for shard, k in where:
