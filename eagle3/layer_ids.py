@@ -156,3 +156,23 @@ def sglang_capture_plan(
             )
         request = wanted
     return request, {i: k for k, i in enumerate(wanted)}
+
+
+def sglang_captured_ids(
+    ids: Sequence[int], num_layers: int, slot: dict[int, int], layers_to_capture: Sequence[int]
+) -> list[int]:
+    """The ids whose states an SGLang engine really puts where `ids` are stored, from the
+    `layers_to_capture` its model reports after set-up (inputs of layers, one packed block
+    each, in layer order): block `slot[i]` holds the input of layer L, i.e. id L - 1. Id N-1
+    comes from the tail: the last layer applied to the block of id N-2, so one layer above
+    whatever that block really holds."""
+    reported = [int(layer) - 1 for layer in sorted(set(layers_to_capture))]  # packed in layer order
+    out = []
+    for i in ids:
+        if int(i) == num_layers - 1:
+            k = slot.get(num_layers - 2)
+            out.append(reported[k] + 1 if k is not None and k < len(reported) else -2)
+        else:
+            k = slot[int(i)]
+            out.append(reported[k] if k < len(reported) else -2)  # -2: no block there at all
+    return out

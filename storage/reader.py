@@ -201,7 +201,19 @@ class StoreReader:
         """One sample: input_ids/loss_mask int64 [T], aux bf16 [T, n*H], final bf16 [T, H]."""
         if sample_id not in self.index:
             raise KeyError(f"sample {sample_id!r} is not in a committed shard of {self.store.url}")
-        name, k = self.index[sample_id]
+        return self._sample(*self.index[sample_id], sample_id)
+
+    def sample_at(self, name: str, k: int) -> dict:
+        """The `k`-th sample of committed shard `name`, as `sample()` returns it (reads that
+        shard's metadata only, not the whole store's index)."""
+        self._row(name)
+        try:
+            sample_id = self.store.shard_attrs(name)["sample_ids"][k]
+        except Exception as exc:
+            raise self._error(name, f"no sample {k} ({type(exc).__name__}: {exc})") from None
+        return self._sample(name, k, sample_id)
+
+    def _sample(self, name: str, k: int, sample_id: str) -> dict:
         try:
             if name not in self._open:
                 arrays = self._arrays(name)

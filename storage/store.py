@@ -226,6 +226,14 @@ class HiddenStateStore:
             raise StoreError(f"{self.url}: not an {FORMAT} store (format={attrs.get('format')!r})")
         return attrs["provenance"]
 
+    def record(self, fields: dict) -> None:
+        """Add recorded-only fields to the provenance (the driver, after a capture: e.g. the
+        layers its engines reported capturing). The root metadata is replaced whole."""
+        path = f"{self.path}/zarr.json"
+        meta = json.loads(self.fs.cat_file(path))
+        meta["attributes"]["provenance"] = {**meta["attributes"]["provenance"], **fields}
+        write_bytes_atomic(self.fs, path, json.dumps(meta).encode())
+
     # ------------------------------------------------------------------ shards (writer side)
     def shard_url(self, name: str) -> str:
         return join(self.url, "shards", name)

@@ -58,8 +58,17 @@ def test_capture_is_bit_exact_and_resumes_after_a_crash(tiny_target, corpus, tmp
     reader = StoreReader(str(run_dir / "store"))
     assert sorted(reader.sample_ids) == sorted(r["id"] for r in samples)  # every sample exactly once
     assert verify(str(run_dir / "store"))["ok"]
+    # The spot check recomputed 2 samples with HF in the driver and recorded its figures.
+    spot = summary["spot_check"]
+    assert spot["ran"] and spot["samples"] == 2 and spot["layers"] == ["id 0", "id 2", "id 4", "final"]
+    assert 0 <= spot["rel_diff"] <= spot["tolerance"] == 2**-8 + 1e-3 and spot["seconds"] >= spot["load_seconds"] > 0
+    assert spot["max_token_rel_diff"] <= 2**-8 + 1e-6  # float32 engines: every token within bf16 rounding
+    assert json.loads((run_dir / "capture" / "DONE.json").read_text())["summary"]["spot_check"] == spot
     prov = reader.provenance
     assert prov["capture_layer_ids"] == [0, 2, 4] and prov["layer_id_convention"] == "output_of_layer"
+    # The layers the engines reported capturing: per actor, in the summary and in the store.
+    assert prov["engine_captured_layer_ids"] == summary["engine_captured_layer_ids"] == [0, 2, 4]
+    assert {tuple(a["captured_layer_ids"]) for a in summary["per_actor"].values()} == {(0, 2, 4)}
     assert prov["final_is_normed"] is True and prov["backend"] == "hf" and prov["tokenizer_sha256"]
 
     # Bit-exact against a direct single-sample HF capture, rounded to bf16 the same way.
@@ -177,13 +186,80 @@ def test_a_failing_shard_is_retried_once_in_place_then_reported():
         capture_and_write(Engine(), Store(), plans, 1 << 20, load=load)
 
 
-def test_store_refuses_a_contradicting_config(tiny_target, corpus, tmp_path, ray_local):
+def test_store_refuses_a_contradicting_config_and_the_spot_check_a_tampered_store(
+    tiny_target, corpus, tmp_path, ray_local
+):
+    """A store refuses a config that contradicts it. One layer of one spot-checked sample
+    scaled, then replaced by another layer's states: the stage (or the spot check alone)
+    refuses, naming the shard, the sample, the layer and the difference, and the capture is
+    not marked done."""
+    from workflows.capture.spot_check import pick
+
     run_dir = run_dir_with_corpus(corpus, tmp_path)
-    capture.run(cfg_for(tiny_target, run_dir), tiny_target)
+    capture.run(cfg_for(tiny_target, run_dir, "capture.spot_check_samples=0"), tiny_target)
+    assert json.loads((run_dir / "capture" / "summary.json").read_text())["spot_check"] == {
+        "ran": False,
+        "reason": "capture.spot_check_samples=0",
+    }
     with pytest.raises(ProvenanceMismatch, match="'capture_layer_ids'"):
         capture.run(cfg_for(tiny_target, run_dir, "target.capture_layer_ids=[1,2,4]"), tiny_target)
     with pytest.raises(ProvenanceMismatch, match="'plan'"):
         capture.run(cfg_for(tiny_target, run_dir, "capture.shard_samples=5"), tiny_target)
+
+    cfg, url = cfg_for(tiny_target, run_dir), str(run_dir / "store")
+    shard, k = pick(StoreReader(url), 2)[1]
+    sample = StoreReader(url).store.shard_attrs(shard)["sample_ids"][k]
+    tamper(url, shard, k, lambda states: states[:, 1].mul_(1.5))
+    (run_dir / "capture" / "DONE.json").unlink(missing_ok=True)  # the stage rerun over this store
+    said = (
+        rf"shard {shard}, sample '{sample}', layer id 2: the store differs from an HF recomputation by "
+        r"0\.(49\d|5\d*) of the tokens' scale on average"  # a layer scaled by 1.5: 0.5, give or take bf16
+    )
+    with pytest.raises(StageFailure, match=said):
+        capture.run(cfg, tiny_target)
+    assert not (run_dir / "capture" / "DONE.json").exists()
+    assert "layer id 2" in json.loads((run_dir / "capture" / "summary.json").read_text())["spot_check"]["failed"]
+    # id 2's slot holding id 4's states (a layer-id rule misread): refused as well.
+    tamper(url, shard, k, lambda states: states[:, 1].copy_(states[:, 2]))
+    with pytest.raises(
+        StageFailure,
+        match=rf"shard {shard}, sample '{sample}', layer id 2: .*of the tokens' scale on average \(worst token",
+    ):
+        capture.run_spot_check(cfg, tiny_target, url)
+
+    # (b) A store whose engine reported capturing other layers than it names: the train side
+    # refuses to open it, and an actor reporting them ends the stage, naming both lists.
+    from storage.store import HiddenStateStore, StoreError
+    from workflows.core.layout import RunLayout
+
+    HiddenStateStore(url).record({"engine_captured_layer_ids": [1, 3, 5]})
+    with pytest.raises(
+        StoreError,
+        match=r"names capture ids \[0, 2, 4\] but its hf capture engine reported "
+        r"capturing ids \[1, 3, 5\]",
+    ):
+        RunLayout.of(cfg).open_store()
+    with pytest.raises(StageFailure, match=r"actor a's engine reports capturing ids \[1, 3, 5\] where the store's"):
+        capture.record_captured_layers(HiddenStateStore(url), [0, 2, 4], {"a": {"captured_layer_ids": [1, 3, 5]}})
+
+
+def tamper(store_url: str, shard: str, k: int, change) -> None:
+    """Rewrite sample `k` of `shard` through the store's writer, its aux states [T, 3, H]
+    changed in place by `change` (a capture that went wrong, as the spot check sees it)."""
+    import numpy as np
+
+    from storage.store import HiddenStateStore, ShardData
+    from storage.zarr_io import from_bf16_bits, to_bf16_bits
+
+    arrays = StoreReader(store_url).read_shard(shard)
+    a, b = arrays["offsets"][k], arrays["offsets"][k + 1]
+    aux = from_bf16_bits(arrays["aux"]).float()
+    states = aux[a:b].view(b - a, 3, -1)
+    change(states)
+    aux[a:b] = states.view(b - a, -1)
+    fields = {f: arrays[f] for f in ("input_ids", "loss_mask", "offsets", "final")}
+    data = ShardData(sample_ids=arrays["sample_ids"], aux=np.ascontiguousarray(to_bf16_bits(aux)), **fields)
+    HiddenStateStore(store_url).write_shard(shard, data)
 
 
 def test_train_reads_the_same_batches_from_the_store(tiny_target, corpus, tmp_path, ray_local):
@@ -273,6 +349,11 @@ def test_the_capture_stage_on_sglang_uses_one_engine_per_actor_and_one_forward(
     n_shards = len(capture_plan.plan_shards(corpus_rows(run_dir), 3)[0])
     assert summary["verify_ok"] and actor["shards"] == n_shards > 2 * cfg.capture.shards_per_call  # several calls
     assert (actor["engine_starts"], actor["final_state"]) == (1, "runner")
+    # What SGLang's Llama model reports capturing (inputs of layers 2, 4, 5: ids 1, 3 and the
+    # tail's input 4, whose last layer gives id 5), recorded in the store.
+    assert (actor["layers_to_capture"], actor["captured_layer_ids"]) == ([2, 4, 5], [1, 3, 5])
+    prov = StoreReader(str(run_dir / "store")).provenance
+    assert (prov["engine_layers_to_capture"], prov["engine_captured_layer_ids"]) == ([2, 4, 5], [1, 3, 5])
     reader = StoreReader(str(run_dir / "store"))
     hf = make_engine("hf", EngineSpec(str(tiny_target), capture_ids=[1, 3, 5]))
     for sample_id in reader.sample_ids[:4]:

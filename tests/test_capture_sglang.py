@@ -147,8 +147,15 @@ def test_sglang_generates_and_captures_the_mla_target_as_hf_does(tiny_kimi_targe
     # SGLang generates with an Engine in the calling process, whose scheduler kills that
     # process when it fails or outlives it: a spawned child holds it, never pytest itself.
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        got, states = pool.submit(sglang_generate_and_capture, spec, prompts, seqs).result(timeout=900)
+        got, states, reported = pool.submit(sglang_generate_and_capture, spec, prompts, seqs).result(timeout=900)
     assert got == want
+    # The layers SGLang's DeepSeek model set up to capture (read back from it) are the ones its
+    # id rule predicts for the request (taken as given, the first being 2, not 1), and they are
+    # the stored ids: what the capture stage records in the store.
+    from eagle3.layer_ids import sglang_capture_plan, sglang_layer_inputs
+
+    request, _ = sglang_capture_plan([1, 3, 4], 8, "deepseek_v3", last_input=False)
+    assert reported == (sglang_layer_inputs(request, "deepseek_v3"), [1, 3, 4]) == ([2, 4, 5], [1, 3, 4])
     for (sa, sf), (ha, hf_) in zip(states, hf.states(seqs)):
         assert sa.shape == ha.shape == (len(sa), 3 * 256) and sf.shape == hf_.shape == (len(sa), 256)
         # The residual stream holds a few massive activations (~1e3): float32 rounding of
@@ -163,6 +170,7 @@ def sglang_generate_and_capture(spec, prompts, seqs):
 
     sglang = make_engine("sglang", spec)
     try:
-        return sglang.generate(prompts, max_new_tokens=24), sglang.states(seqs)
+        answers, states = sglang.generate(prompts, max_new_tokens=24), sglang.states(seqs)
+        return answers, states, (sglang.layers_to_capture, sglang.captured_layer_ids)
     finally:
         sglang.close()

@@ -100,3 +100,45 @@ def test_estimate_projects_wall_time_shards_manifest_and_driver_memory(tiny_targ
                 ]
             )
         )
+
+
+def test_the_spot_check_is_skipped_for_a_target_above_the_drivers_memory(tiny_target, tmp_path, monkeypatch, capsys):
+    """The memory guard with figures: a Kimi-K2.5-sized target (1.03T parameters, bf16) on a
+    128 GiB driver is skipped, a 135M float32 one is checked; the stage logs the skip in one
+    line and records its reason."""
+    from workflows.capture import spot_check
+
+    assert spot_check.reference_bytes(135_000_000, "float32") == int(135e6 * 4 * 1.25) + (1 << 30)
+    assert spot_check.skip_reason(135_000_000, "float32", 16 << 30) is None
+    said = (
+        "an HF reference of the target (1,030B parameters in bfloat16) needs ~2.58 TB in the driver, "
+        "which has 137 GB available"
+    )
+    assert spot_check.skip_reason(1_030_000_000_000, "bfloat16", 128 << 30) == said
+    assert 0 < spot_check.checkpoint_parameters(tiny_target) < 50_000_000
+    monkeypatch.setattr(capture, "available_memory", lambda: 64 << 20)  # a 64 MB driver
+    from tests.helpers import cfg_for
+
+    cfg = cfg_for(tiny_target, tmp_path)
+    record = capture.run_spot_check(cfg, tiny_target, str(tmp_path / "store"))  # no store needed: skipped
+    assert record["ran"] is False and record["reason"].endswith("which has 67.1 MB available")
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "spot check" in x]
+    assert "capture: spot check skipped: an HF reference of the target" in line
+    # A target transformers cannot load has no second implementation here: skipped the same way.
+    from types import SimpleNamespace
+
+    import workflows.core.engines as engines
+
+    def refuse(spec):
+        raise ValueError("unknown quantization method 'mystery'")
+
+    monkeypatch.setattr(engines, "HFEngine", refuse)
+    reader = SimpleNamespace(provenance={"capture_layer_ids": [0, 2, 4]}, shards=[{"shard": "s", "n_samples": 1}])
+    record = spot_check.spot_check(
+        reader, tiny_target, {"dtype": "float32", "target_path": str(tiny_target)}, 2, "int8"
+    )
+    assert record == {
+        "ran": False,
+        "reason": "HF transformers cannot load the target as a reference (ValueError: unknown quantization "
+        "method 'mystery')",
+    }

@@ -157,3 +157,29 @@ def test_kimi_preset_follows_sglangs_deepseek_rule(tmp_path):
 def test_the_last_layer_cannot_be_served(tmp_path):
     side = doctor.side_from_sglang_export(export_naming(tmp_path, [1, 29, 60]), 61, "deepseek_v3")
     assert any("names id 60, the last layer's output, which SGLang cannot capture" in e for e in check([side]))
+
+
+def test_the_store_side_holds_what_its_engine_reported_capturing(tmp_path):
+    """A store's recorded engine-captured ids (the capture stage's `engine_captured_layer_ids`)
+    are what it holds: a provenance naming other ids is an error naming both lists, and a draft
+    or an export whose ids are not among the captured ones is refused, naming both."""
+    prov = {"capture_layer_ids": [1, 29, 57], "layer_id_convention": "output_of_layer", "backend": "sglang"}
+    honest = doctor.side_from_store("s3://b/store", {**prov, "engine_captured_layer_ids": [1, 29, 57]})
+    assert check([honest, kimi_draft([1, 29, 57])]) == []
+    [error] = check([honest, kimi_draft([2, 29, 57])])
+    assert error == (
+        "capture_layer_ids: draft checkpoint (train/draft) says [2, 29, 57] but hidden-state store (s3://b/store) "
+        "holds [1, 29, 57] (as its sglang capture engine reported capturing): [2] are not captured"
+    )
+    shifted = doctor.side_from_store("s3://b/store", {**prov, "engine_captured_layer_ids": [2, 30, 58]})
+    errors = check([shifted, kimi_draft([1, 29, 57])])
+    assert errors[0] == (
+        "hidden-state store (s3://b/store): its provenance names capture ids [1, 29, 57] but its sglang capture "
+        "engine reported capturing ids [2, 30, 58]: the stored states are of other layers; recapture"
+    )
+    assert "says [1, 29, 57] but hidden-state store (s3://b/store) holds [2, 30, 58]" in errors[1]
+    export = doctor.side_from_sglang_export(export_naming(tmp_path, [1, 29, 58]), 61, "deepseek_v3")
+    [error] = check([honest, export])
+    assert f"SGLang export ({tmp_path}) says [1, 29, 58] (inputs of layers [2, 30, 59]" in error
+    assert error.endswith("holds [1, 29, 57] (as its sglang capture engine reported capturing): [58] are not captured")
+    assert doctor.side_from_store("x", prov).facts["stored_capture_ids"] == [1, 29, 57]  # nothing recorded

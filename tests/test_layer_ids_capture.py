@@ -123,6 +123,23 @@ def test_sglang_capture_plan_asks_for_the_ids_and_the_last_layers_input(ids, mod
     assert [i - 1 for i in sglang_layer_inputs(request, model_type)] == sorted(slot)
 
 
+def test_the_ids_sglang_really_captured_follow_from_the_layers_its_model_reports():
+    """sglang_captured_ids reads SGLang's own `layers_to_capture` (inputs of layers) back into
+    the ids the stored blocks hold: the plan's request as each family's rule sets it up gives
+    the stored ids back; the same request read by the other family's rule shows the shift."""
+    from eagle3.layer_ids import sglang_capture_plan, sglang_captured_ids, sglang_layer_inputs
+
+    for ids, n, family in (([1, 3, 4], 8, "deepseek_v3"), ([1, 3, 5], 6, "llama"), ([-1, 2, 30], 61, "kimi_k25")):
+        request, slot = sglang_capture_plan(ids, n, family)
+        assert sglang_captured_ids(ids, n, slot, sglang_layer_inputs(request, family)) == ids
+    request, slot = sglang_capture_plan([1, 3, 4], 8, "deepseek_v3")  # [2, 4, 5, 7]: taken as given
+    assert sglang_captured_ids([1, 3, 4], 8, slot, sglang_layer_inputs(request, "llama")) == [2, 4, 5]
+    request, slot = sglang_capture_plan([1, 3, 5], 6, "llama")  # [1, 3, 4]: a DeepSeek model adds 1 too
+    assert sglang_captured_ids([1, 3, 5], 6, slot, [2, 4, 5]) == [1, 3, 5]
+    assert sglang_captured_ids([1, 3, 5], 6, slot, [1, 3, 4]) == [0, 2, 4]  # taken as given: off by one
+    assert sglang_captured_ids([1, 3, 5], 6, slot, [2, 5, 4]) == [1, 3, 5]  # packed in layer order
+
+
 def test_sglang_capture_plan_refuses_what_the_engine_cannot_return():
     from eagle3.layer_ids import sglang_capture_plan
 

@@ -14,7 +14,9 @@ retried once by its actor, then reported: the others finish, the stage ends with
 naming the failed shards (also in `capture/summary.json`). A killed actor is restarted and
 its batch rerun (`capture.max_actor_restarts`). A rerun skips committed shards, commits
 shards whose writer finished but were never committed, and rewrites half-written or failed
-ones. The store is then verified; the stage is marked done only when `verify` is clean.
+ones. The store is then verified and spot-checked (workflows.capture.spot_check: a few
+samples recomputed by HF in the driver, every captured layer compared); the stage is marked
+done only when both are clean.
 Output: the store (`capture.store`, default `<run_dir>/store`) and `<run_dir>/capture/`.
 """
 
@@ -30,9 +32,11 @@ from pathlib import Path
 
 from eagle3.layer_ids import validate_capture_ids
 from eagle3.schema import ConfigError, output_dict
+from storage.reader import StoreReader
 from storage.store import HiddenStateStore, state_dtype_of
 from storage.verify import verify
 from workflows.capture.sizing import check_space, corpus_figures, estimate, measured_capture_tokens_per_s, projection
+from workflows.capture.spot_check import available_memory, checkpoint_parameters, skip_reason, spot_check
 from workflows.capture.writer import CorpusFiles, ShardRef, capture_and_write
 from workflows.core.cluster import ensure_ray
 from workflows.core.config import FullConfig
@@ -95,6 +99,10 @@ class CaptureActor:
             # actor for the stage) and where the final state came from.
             r["engine_starts"] = int(getattr(self.engine, "engine_starts", 1))
             r["final_state"] = getattr(self.engine, "final_method", None) or "forward"
+            # The ids the engine reports its stored blocks hold (SGLang: from the layers its model
+            # set up to capture; JSON: None where it cannot tell), checked and recorded by the driver.
+            r["captured_layer_ids"] = json.dumps(getattr(self.engine, "captured_layer_ids", None))
+            r["layers_to_capture"] = json.dumps(getattr(self.engine, "layers_to_capture", None))  # SGLang's own
             if self.metrics and not r["error"]:
                 tags = {"actor": self.name}
                 self.metrics["tokens"].inc(r["n_tokens"], tags=tags)
@@ -146,6 +154,8 @@ class Results:
         a["write_s"] += float(row["write_seconds"])
         a["engine_starts"] = max(a.get("engine_starts", 0), int(row.get("engine_starts", 1)))
         a["final_state"] = row.get("final_state", "forward")
+        a["captured_layer_ids"] = json.loads(row.get("captured_layer_ids") or "null")
+        a["layers_to_capture"] = json.loads(row.get("layers_to_capture") or "null")
 
     def per_actor_summary(self) -> dict[str, dict]:
         return {
@@ -201,6 +211,7 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
             result = _capture_with_ray(cfg, target_path, store, todo, size["tokens"], tqdm)
         store.compact()  # fold the per-shard commit log into manifest.parquet, once
         per_actor = result.per_actor_summary()
+        captured = record_captured_layers(store, ids, per_actor)
         result.failed.sort(key=lambda f: f["shard"])
         summary = {
             **store.summary(),
@@ -214,6 +225,7 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
             "failed_shards": result.failed,
             "bytes_per_token": size["bytes_per_token"],
             "state_dtype": c.state_dtype,
+            "engine_captured_layer_ids": captured,
         }
         if result.failed:  # the other shards are committed; a rerun retries only these
             write_json_atomic(layout.capture_summary_file, {**summary, "verify_ok": None})
@@ -232,6 +244,13 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
                 f"{report['problems'][0]}; see {layout.capture_summary_file}; `python -m storage.verify "
                 f"{url}` lists them, and a rerun with capture.store moved away captures afresh"
             )
+        try:
+            summary["spot_check"] = run_spot_check(cfg, target_path, url)
+        except StageFailure as exc:
+            summary["spot_check"] = {"ran": True, "failed": str(exc)}
+            raise
+        finally:
+            write_json_atomic(layout.capture_summary_file, {**summary, "verify": report})
         log(
             f"capture: {summary['samples']} samples, {summary['tokens']} tokens in {summary['shards']} shards; "
             f"per actor {per_actor}; verify clean"
@@ -239,6 +258,43 @@ def run(cfg: FullConfig, target_path: Path) -> Path:
         return summary
 
     return run_stage("capture", out, key, build, shown=url)
+
+
+def record_captured_layers(store: HiddenStateStore, ids: list[int], per_actor: dict) -> list[int] | None:
+    """Check the ids this run's engines report capturing against the store's and record them in
+    its provenance (`engine_captured_layer_ids`: the doctor and the train side compare drafts
+    with them); returns what the store records (an earlier run's, when no shard was new here)."""
+    reported = {name: a["captured_layer_ids"] for name, a in per_actor.items() if a.get("captured_layer_ids")}
+    for name, got in reported.items():
+        if got != list(ids):
+            raise StageFailure(
+                f"capture: actor {name}'s engine reports capturing ids {got} where the store's capture ids are "
+                f"{list(ids)}: its shards hold other layers' states; fix the layer-id rule, move capture.store "
+                "away and recapture"
+            )
+    if reported:
+        inputs = next((a["layers_to_capture"] for a in per_actor.values() if a.get("layers_to_capture")), None)
+        store.record(
+            {"engine_captured_layer_ids": list(ids)}
+            | ({"engine_layers_to_capture": inputs} if inputs else {})  # SGLang's own list: inputs of layers
+        )
+    return store.provenance.get("engine_captured_layer_ids")
+
+
+def run_spot_check(cfg: FullConfig, target_path, url: str) -> dict:
+    """The spot check of the committed store against HF in this process (workflows.capture.
+    spot_check), or why it did not run: capture.spot_check_samples=0, or the memory guard."""
+    c = cfg.capture
+    if c.spot_check_samples == 0:
+        return {"ran": False, "reason": "capture.spot_check_samples=0"}
+    # The driver's own thread count is left alone (threads 0).
+    spec = {**engine_spec(cfg, target_path), "threads": 0}
+    reason = skip_reason(checkpoint_parameters(target_path), spec["dtype"], available_memory())
+    if reason is not None:
+        log(f"capture: spot check skipped: {reason}")
+        return {"ran": False, "reason": reason}
+    reader = StoreReader(url, c.storage_options)
+    return spot_check(reader, target_path, spec, c.spot_check_samples, c.state_dtype)
 
 
 def _capture_with_ray(

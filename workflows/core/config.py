@@ -402,6 +402,10 @@ class CaptureSection:
     max_actor_restarts: int = field(
         default=3, metadata=NOT_OUTPUT
     )  # a dead capture actor is restarted and its batch re-run, this many times
+    # Samples the driver recomputes with HF after the capture and compares with the store, every
+    # captured layer and the final state (workflows.capture.spot_check); 0: off. Skipped, with the
+    # reason in capture/summary.json, for a target whose HF load does not fit the driver's memory.
+    spot_check_samples: int = field(default=2, metadata=NOT_OUTPUT)
 
     def validate(self, where: str = "capture") -> None:
         check_ranges(
@@ -419,6 +423,7 @@ class CaptureSection:
             estimate_generate_tokens_per_s=">0",
             engine_timeout_s=">0",
             max_actor_restarts=">=0",
+            spot_check_samples=">=0",
         )
         for k, name in enumerate(self.families):
             family_named(name, f"{where}.families[{k}]")

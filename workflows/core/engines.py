@@ -52,6 +52,9 @@ class HFEngine:
         if spec.threads:
             torch.set_num_threads(spec.threads)
         self.spec = spec
+        # The ids its hooks sit on: LayerTap hooks decoder layer i for id i (-1: the embeddings),
+        # so what HF captures is the request itself.
+        self.captured_layer_ids = list(spec.capture_ids)
         self.device = torch.device(spec.device)
         self.model, self.tokenizer = load_target(
             spec.target_path, dtype=spec.dtype, trust_remote_code=spec.trust_remote_code

@@ -259,5 +259,11 @@ class RunLayout:
         """A reader of the committed shards of the store, refusing provenance other than
         `expect`; `aux_layers`: the capture ids it hands out (storage.reader.StoreReader)."""
         from storage.reader import StoreReader
+        from storage.store import StoreError
+        from workflows.core.provenance import engine_captured_mismatch
 
-        return StoreReader(self.store_url, self.storage_options, expect=expect, aux_layers=aux_layers)
+        reader = StoreReader(self.store_url, self.storage_options, expect=expect, aux_layers=aux_layers)
+        mismatch = engine_captured_mismatch(reader.provenance, f"store {self.store_url}")
+        if mismatch:  # the layers its engines really captured, not only the ids it names
+            raise StoreError(mismatch)
+        return reader

@@ -249,6 +249,19 @@ def store_provenance(
     }
 
 
+def engine_captured_mismatch(prov: Mapping, where: str) -> str | None:
+    """The one line refusing a store whose capture engines reported capturing other layers
+    than its provenance names (`engine_captured_layer_ids`, recorded by the capture stage);
+    None when they agree or nothing was reported."""
+    reported, named = prov.get("engine_captured_layer_ids"), prov.get("capture_layer_ids")
+    if reported is None or list(reported) == list(named or []):
+        return None
+    return (
+        f"{where}: its provenance names capture ids {list(named or [])} but its {prov.get('backend')} capture "
+        f"engine reported capturing ids {list(reported)}: the stored states are of other layers; recapture"
+    )
+
+
 def draft_provenance(cfg, identity: Mapping, vocab_summary: VocabSummary) -> dict:
     """What every draft artefact (checkpoint, trained draft, exports) carries: the whole run
     config among it, so that a draft says how it was made."""

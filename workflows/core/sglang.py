@@ -35,7 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from eagle3.layer_ids import sglang_capture_plan
+from eagle3.layer_ids import sglang_capture_plan, sglang_captured_ids
 from eagle3.schema import ConfigError
 from workflows.core.engine_spec import EngineSpec
 
@@ -146,6 +146,10 @@ class SGLangEngine:
         self._engine = None  # generation: an in-process engine
         self._proc = None  # hidden states: the capture worker (a child process with its own engine)
         self.engine_starts, self.final_method = 0, None
+        # After the first states(): the layers (by input) the capture worker's model reports
+        # capturing, and the ids they make of the stored ones; None where not reported (tail).
+        self.layers_to_capture: list[int] | None = None
+        self.captured_layer_ids: list[int] | None = None
 
     @staticmethod
     def version() -> str:
@@ -233,7 +237,17 @@ class SGLangEngine:
         os.close(resp_w)
         self._req_w, self._resp_r, self._buf, self._calls = req_w, resp_r, b"", 0
         self.engine_starts += 1
-        self._call({}, "start")
+        reported = self._call({}, "start").get("layers_to_capture")
+        self.layers_to_capture = reported
+        if reported is not None:  # runner: refuse at once a model that captures other layers than planned
+            self.captured_layer_ids = sglang_captured_ids(self.spec.capture_ids, num_layers, self._slots, reported)
+            if self.captured_layer_ids != list(self.spec.capture_ids):
+                self.close(kill=True)
+                raise RuntimeError(
+                    f"SGLang's {model_type} model captures the inputs of layers {sorted(reported)} for the request "
+                    f"{request}: the stored ids {list(self.spec.capture_ids)} would hold ids "
+                    f"{self.captured_layer_ids} (its layer-id rule differs from eagle3.layer_ids')"
+                )
 
     def _call(self, message: dict, what: str) -> dict:
         """Send one request (numbered) and wait for its reply. A worker that died, went

@@ -78,7 +78,9 @@ def main(argv=None) -> None:
             runner, followers = sglang_runner.start(spec, request)
         else:  # tail: one engine for the stage
             engine = _aux_engine(spec, request)
-        reply({"ready": True})
+        # What SGLang set up, read back from its model: the layers (by input) it captures. The
+        # tail's Engine runs the model in its scheduler process, out of reach: not reported.
+        reply({"ready": True, "layers_to_capture": runner and layers_to_capture(runner.runner.model)})
         for line in requests:
             job = json.loads(line)
             try:
@@ -103,6 +105,16 @@ def main(argv=None) -> None:
             runner.close()
         for process in followers:
             process.join(timeout=60)
+
+
+def layers_to_capture(model) -> list[int] | None:
+    """The `layers_to_capture` of the decoder inside an SGLang model (set by its
+    set_eagle3_layers_to_capture; a multimodal wrapper holds the language model deeper)."""
+    for module in model.modules():
+        layers = getattr(module, "layers_to_capture", None)
+        if isinstance(layers, (list, tuple)) and layers:
+            return [int(layer) for layer in layers]
+    return None
 
 
 def _as_arrays(aux, final) -> dict:

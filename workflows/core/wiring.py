@@ -26,7 +26,7 @@ from storage.store import HiddenStateStore
 from workflows.core import draft_files
 from workflows.core.layout import RunLayout
 from workflows.core.markers import read_json
-from workflows.core.provenance import target_identity
+from workflows.core.provenance import engine_captured_mismatch, target_identity
 
 INPUT_CONVENTION = "input_of_layer"  # SGLang's layers_to_capture
 FIELDS = (
@@ -189,6 +189,14 @@ def side_from_store(url: str, prov: dict) -> Side:
     set_capture_ids(side, prov.get("capture_layer_ids"), prov.get("layer_id_convention"))
     if "capture_layer_ids" in side.facts:
         side.facts["stored_capture_ids"] = side.facts.pop("capture_layer_ids")
+    # What its capture engines reported capturing (the capture stage records it): the store
+    # holds those layers, whatever the provenance names.
+    if prov.get("engine_captured_layer_ids") is not None:
+        side.facts["stored_capture_ids"] = [int(i) for i in prov["engine_captured_layer_ids"]]
+        side.stated["stored_capture_ids"] = f"as its {prov.get('backend')} capture engine reported capturing"
+        mismatch = engine_captured_mismatch(prov, side.name)
+        if mismatch:
+            side.errors.append(mismatch)
     side.facts.update(
         {
             k: v
@@ -390,7 +398,7 @@ def check(sides: list[Side]) -> list[str]:
             if missing:
                 errors.append(
                     f"capture_layer_ids: {side.name} says {_show(side, 'capture_layer_ids')} but {store.name} holds "
-                    f"{held}: {missing} are not captured"
+                    f"{_show(store, 'stored_capture_ids')}: {missing} are not captured"
                 )
     for f in FIELDS:
         stating = [s for s in sides if s.facts.get(f) is not None]
