@@ -95,3 +95,24 @@ def test_specforge_train_preset_has_specforge_settings():
     assert (o.kind, o.normalise, o.skip_unreachable, o.tokens) == ("soft_ce", "positions", True, "answer")
     assert (t.optim.warmup_steps, t.optim.min_lr_ratio) == (55, 0.0)
     assert compose([]).train.objective.tokens == "all"
+
+
+def test_long_context_experiment_splits_32k_samples_over_four_gpus():
+    from workflows.capture.sizing import estimate, longest_sample
+
+    cfg = compose(["+experiment=long_context"])
+    assert (cfg.data.max_length, cfg.train.max_seq_len, cfg.capture.micro_batch_tokens) == (32768, 32768, 32768)
+    assert (cfg.train.num_workers, cfg.train.sequence_parallel, cfg.train.gpus_per_worker) == (8, 4, 1)
+    assert cfg.train.packing and cfg.draft.family == "eagle3"
+    per_token = estimate(cfg.target, cfg.capture, 1, cfg.store_capture_ids)["bytes_per_token"]
+    longest = longest_sample(per_token, cfg.data, cfg.capture, cfg.train.max_seq_len)
+    assert per_token == 2 * 4 * 4096 + 5 and longest["store"] == "1.07 GB"  # as the preset's comment says
+    assert longest["trained_tokens"] == 32768 and not longest["alone_in_its_capture_forward"]
+    # 64K, as the comment says: one sample over the 8 GPUs
+    long64 = [f"{k}=65536" for k in ("data.max_length", "train.max_seq_len", "capture.micro_batch_tokens")]
+    assert compose(["+experiment=long_context", *long64, "train.sequence_parallel=8"]).train.max_seq_len == 65536
+
+
+def test_samples_past_the_targets_positions_are_refused_naming_both():
+    with pytest.raises(ConfigError, match=r"data.max_length=4096 exceeds target.max_position_embeddings=2048"):
+        compose(["target=tiny", "data.max_length=4096"])

@@ -48,6 +48,22 @@ def estimate(target: TargetSpec, capture: CaptureSection, tokens: int, capture_i
     }
 
 
+def longest_sample(bytes_per_token: int, data: DataSection, capture: CaptureSection, max_seq_len: int) -> dict:
+    """What one sample of data.max_length tokens costs: its bytes in the store (and in flight
+    when streaming), the forward that captures it (a sample past capture.micro_batch_tokens
+    goes alone, whole: the engine must hold its activations), and what training reads of it
+    (train.max_seq_len; longer is truncated and counted)."""
+    n = data.max_length
+    return {
+        "tokens": n,
+        "store_bytes": bytes_per_token * n,
+        "store": human_bytes(bytes_per_token * n),
+        "capture_forward_tokens": max(n, capture.micro_batch_tokens),
+        "alone_in_its_capture_forward": n > capture.micro_batch_tokens,
+        "trained_tokens": min(n, max_seq_len),
+    }
+
+
 def human_bytes(n: float) -> str:
     """Bytes in the decimal unit that shows them with three significant digits (400 KB, 1.27 TB)."""
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):

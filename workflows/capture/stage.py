@@ -35,7 +35,14 @@ from eagle3.schema import ConfigError, output_dict
 from storage.reader import StoreReader
 from storage.store import HiddenStateStore, state_dtype_of
 from storage.verify import verify
-from workflows.capture.sizing import check_space, corpus_figures, estimate, measured_capture_tokens_per_s, projection
+from workflows.capture.sizing import (
+    check_space,
+    corpus_figures,
+    estimate,
+    longest_sample,
+    measured_capture_tokens_per_s,
+    projection,
+)
 from workflows.capture.spot_check import available_memory, checkpoint_parameters, skip_reason, spot_check
 from workflows.capture.writer import CorpusFiles, ShardRef, capture_and_write
 from workflows.core.cluster import ensure_ray
@@ -382,4 +389,5 @@ def capture_main(cfg: FullConfig) -> None:
     size = estimate(cfg.target, cfg.capture, tokens, cfg.store_capture_ids)
     size["space"] = check_space(layout.store_url, size["projected_bytes"], ignore=True)
     size["projection"] = projection(cfg.capture, cfg.data, tokens, corpus, measured_capture_tokens_per_s(layout))
+    size["longest_sample"] = longest_sample(size["bytes_per_token"], cfg.data, cfg.capture, cfg.train.max_seq_len)
     print(json.dumps(size, indent=2))

@@ -608,6 +608,15 @@ class FullConfig:
                 "length every sample is cut to; raise data.max_length (e.g. to train.max_seq_len) "
                 "or lower data.max_new_tokens"
             )
+        # A sample longer than the target's positions would be generated, captured and trained
+        # at positions it never saw (and served nowhere): refuse it before any GPU hour.
+        if self.data.max_length > self.target.max_position_embeddings:
+            raise ConfigError(
+                f"data.max_length={self.data.max_length} exceeds target.max_position_embeddings="
+                f"{self.target.max_position_embeddings}: samples would run past the positions the target "
+                "serves; lower data.max_length, or raise the preset's max_position_embeddings if the "
+                "checkpoint serves longer (rope scaling)"
+            )
         size = self.draft.draft_vocab_size
         if size is not None and size > self.target.vocab_size:
             raise ConfigError(f"draft.draft_vocab_size={size} exceeds the target's vocab_size={self.target.vocab_size}")
