@@ -226,6 +226,9 @@ class TrainSection(LoopConfig):
     # Restarts of the worker group after a worker fails, each from the last checkpoint, before
     # the run fails; 0: the first failure ends the run, and a rerun resumes.
     max_failures: int = field(default=0, metadata=NOT_OUTPUT)
+    # Elastic groups: how often Ray Train looks for room to grow back towards num_workers
+    # (a group that grows restarts from the last checkpoint on the larger size).
+    elastic_resize_s: float = field(default=60.0, metadata=NOT_OUTPUT)
     # Ulysses sequence parallelism (eagle3.sequence_parallel): each sample split over this
     # many workers along the sequence, the attention's heads shared out among them; the
     # data-parallel degree is num_workers / sequence_parallel. EAGLE-3 on Ray Train only.
@@ -286,6 +289,7 @@ class TrainSection(LoopConfig):
             num_workers=">=1",
             min_workers=">=0",
             max_failures=">=0",
+            elastic_resize_s=">0",
             cpus_per_worker=">0",
             gpus_per_worker=">=0",
             zero_stage="[0,2]",

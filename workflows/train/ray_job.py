@@ -91,6 +91,7 @@ def run_with_ray(
             num_workers=(train.min_workers, train.num_workers) if train.elastic else train.num_workers,
             use_gpu=use_gpu,
             resources_per_worker=resources,
+            elastic_resize_monitor_interval_s=train.elastic_resize_s,
         ),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         **({"datasets": datasets, "dataset_config": data_config} if datasets else {}),
