@@ -239,16 +239,21 @@ class BatchStream:
         self._stop.set()
 
 
-def epoch_deal(reader, shards: list[str], seed: int, epoch: int, rank: int, world: int) -> list[str]:
-    """The ids rank `rank` of `world` is dealt in `epoch` (as BatchStream deals them, in
-    any order; from the shards' metadata, no state read)."""
-    names, stride = my_shards(shards, seed, epoch, rank, world)
+def shard_ids(reader) -> dict[str, list[str]]:
+    """Each shard's sample ids in stored order, from the shards' metadata (no state read)."""
     by_shard: dict[str, list[tuple[int, str]]] = {}
     for sid, (shard, k) in reader.index.items():
         by_shard.setdefault(shard, []).append((k, sid))
+    return {name: [sid for _, sid in sorted(rows)] for name, rows in by_shard.items()}
+
+
+def epoch_deal(ids_of: dict[str, list[str]], shards: list[str], seed: int, epoch: int, rank: int, world: int):
+    """The ids rank `rank` of `world` is dealt in `epoch`, as BatchStream deals them (in any
+    order); `ids_of`: shard_ids of the store."""
+    names, stride = my_shards(shards, seed, epoch, rank, world)
     ids = []
     for name in names:
-        stored = [sid for _, sid in sorted(by_shard.get(name, []))]
+        stored = ids_of.get(name, [])
         ids += [stored[k] for k in sample_order(len(stored), name, hash_seed(seed, epoch))]
     return ids[rank::world] if stride else ids
 
@@ -263,10 +268,11 @@ def elastic_position(saved: list[dict], reader, shards: list[str], seed: int) ->
             "resume it with its own train.num_workers"
         )
     world, first = len(saved), min(p["epoch"] for p in saved)
+    ids_of = shard_ids(reader) if any(p["epoch"] > first for p in saved) else {}
     excluded: dict[str, set[str]] = {}
     for rank, p in enumerate(saved):
         for epoch in range(first, p["epoch"]):  # the epochs this rank had finished
-            excluded.setdefault(str(epoch), set()).update(epoch_deal(reader, shards, seed, epoch, rank, world))
+            excluded.setdefault(str(epoch), set()).update(epoch_deal(ids_of, shards, seed, epoch, rank, world))
         excluded.setdefault(str(p["epoch"]), set()).update(p["trained"])
         for e, ids in p.get("excluded", {}).items():  # an earlier resize's, still open
             if int(e) >= first:
