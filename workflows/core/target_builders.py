@@ -383,6 +383,25 @@ TINY_KIMI_VISION = {
     "vt_intermediate_size": 64,
     "mm_hidden_size": 32,
 }
+# The wrapper's image preprocessing, as Kimi-K2.5 ships it in preprocessor_config.json
+# (`media_proc_cfg`, Kimi's upstream values). No image reaches the tiny target, but vLLM
+# builds the wrapper's image processor from this file at start, even serving the language
+# model alone (`language_model_only`), and refuses a wrapper without it.
+TINY_KIMI_MEDIA = {
+    "patch_size": 14,
+    "merge_kernel_size": 2,
+    "temporal_merge_kernel_size": 4,
+    "in_patch_limit": 16384,
+    "in_patch_limit_each_frame": 4096,
+    "in_patch_limit_video": None,
+    "patch_limit_on_one_side": 512,
+    "fixed_output_tokens": None,
+    "max_num_frames_each_video": None,
+    "sample_fps": 2.0,
+    "timestamp_mode": "hh:mm:ss.fff",
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
 # Each MoE step costs ~20x the tiny Llama's (compute-bound matmuls, not overhead). Rows of
 # 32 tokens learn the 2k-token corpus about as fast per step as rows of 64 at half the cost:
 # loss 3.6 after these 300 steps, ~40-60 s on one thread (measured: 150 rows of 64, 4.8;
@@ -462,6 +481,7 @@ def build_tiny_kimi(spec: TargetSpec, out: Path, log: Log) -> None:
         "dtype": spec.dtype,
     }
     (out / "config.json").write_text(json.dumps(wrapper, indent=2) + "\n")
+    (out / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": TINY_KIMI_MEDIA}, indent=2) + "\n")
     GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]).save_pretrained(
         str(out)
     )

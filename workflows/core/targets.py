@@ -34,6 +34,7 @@ from workflows.core.provenance import PREPARED, read_hf_config, read_prepared, s
 from workflows.core.target_builders import (
     LANGUAGE_MODEL_PREFIX,
     TINY_CORPUS,
+    TINY_KIMI_MEDIA,
     TINY_KIMI_PRETRAIN,
     TINY_KIMI_TEXT,
     TINY_KIMI_VISION,
@@ -73,7 +74,12 @@ _BUILD_FIELDS = {"smollm2_gguf": ("dtype",), "tiny_trained": _TINY_FIELDS, "tiny
 # What else a built folder depends on, beyond the preset's fields: the builder's constants.
 _BUILD_CONSTANTS = {
     "tiny_trained": {"pretrain": TINY_PRETRAIN},
-    "tiny_kimi_trained": {"pretrain": TINY_KIMI_PRETRAIN, "text": TINY_KIMI_TEXT, "vision": TINY_KIMI_VISION},
+    "tiny_kimi_trained": {
+        "pretrain": TINY_KIMI_PRETRAIN,
+        "text": TINY_KIMI_TEXT,
+        "vision": TINY_KIMI_VISION,
+        "media": TINY_KIMI_MEDIA,
+    },
 }
 
 

@@ -12,7 +12,7 @@ from workflows.core.errors import MissingArtefact, ServingError
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
 from workflows.core.markers import read_marker
-from workflows.core.serving import ENGINES, ServeJob, available_engines, served_check, verdict
+from workflows.core.serving import ENGINES, ServeJob, available_engines, served_check, verdict, vllm_target_args
 from workflows.evaluate.report import served_per_position
 
 # Why an engine does not serve a family here, where the engine has that method.
@@ -51,6 +51,7 @@ def serve_job(
         sampled_temperature=e.temperature,
         sampled_seeds=list(e.seeds) if e.temperature > 0 else [],
         baseline=e.served_speed,
+        **(vllm_target_args(report["target"], device) if engine == "vllm" else {}),
     )
 
 

@@ -51,7 +51,7 @@ from workflows.core.log import log
 from workflows.core.markers import read_json
 from workflows.core.provenance import REDACTED
 from workflows.core.records import ReportHeadline
-from workflows.core.serving import vllm_python, vllm_server_env, vllm_speculative_args
+from workflows.core.serving import vllm_python, vllm_server_env, vllm_speculative_args, vllm_target_args
 from workflows.core.sglang import cpu_env, server_cpu_args, speculative_args
 
 ARCH_DEFAULTS = {"LlamaForCausalLM": (5, 4, 8), "Grok1ForCausalLM": (5, 4, 8), "Grok1VForCausalLM": (5, 4, 8)}
@@ -174,11 +174,13 @@ def vllm_launch_command(
     extra_args: list[str] | None = None,
     trust_remote_code: bool = False,
     max_model_len: int = CPU_MAX_MODEL_LEN,
+    target_args: dict | None = None,
 ) -> tuple[list[str], dict]:
     """(argv, environment) for vLLM's OpenAI server (`python`: the interpreter that has vLLM)
     serving `target_path` with the draft at `draft_path` by `method` ("dflash", "dspark", "eagle3"),
     `num_steps` draft tokens a pass; loopback unless told. `cpu`: vLLM's CPU settings, eager
-    mode and a context of `max_model_len` tokens."""
+    mode and a context of `max_model_len` tokens. `target_args`: what the target needs
+    (workflows.core.serving.vllm_target_args), as flags."""
     flag, spec = vllm_speculative_args(method, num_steps)  # the report's serve_args, plus the draft
     argv = [
         python,
@@ -199,6 +201,11 @@ def vllm_launch_command(
     ]
     if trust_remote_code:
         argv.append("--trust-remote-code")
+    target_args = target_args or {}
+    if target_args.get("language_model_only"):
+        argv.append("--language-model-only")
+    if target_args.get("attention_backend"):
+        argv += ["--attention-backend", target_args["attention_backend"]]
     environment = {k: str(v) for k, v in (env or {}).items()}
     if cpu:
         argv += ["--enforce-eager", "--max-model-len", str(max_model_len)]
@@ -325,6 +332,7 @@ def vllm_command(cfg, target_path: Path, draft: Path, method: str, report: Repor
         s.extra_args,
         cfg.target.trust_remote_code,
         min(CPU_MAX_MODEL_LEN, int(longest)),
+        vllm_target_args(target_path, "cpu" if s.cpu else "cuda"),
     )
     return argv, env, side
 
