@@ -66,7 +66,32 @@ def test_launch_command_and_env():
 
     args = prepare_server_args(argv[3:])
     assert args.speculative_algorithm == "EAGLE3" and args.speculative_num_draft_tokens == 4
-    assert args.tp_size == 8 and args.host == "127.0.0.1"
+    assert args.tp_size == 8 and args.host == "127.0.0.1" and not args.trust_remote_code
+    # A preset that asks for the checkpoint's own code by name (kimi_k25_int4) gets it
+    trusted, _ = launch_command("/m/target", "/m/draft", e, trust_remote_code=True)
+    assert trusted[-1] == "--trust-remote-code" and prepare_server_args(trusted[3:]).trust_remote_code
+
+
+def test_sglangs_server_refuses_a_multimodal_wrapper_without_its_processor_code(tmp_path):
+    """SGLang 0.5.23's server builds a kimi_k25 wrapper's processor from the checkpoint's own
+    code whatever it is sent (tiny_kimi ships none: its first request would fail): refused
+    in one line before anything starts, unless the preset trusts the checkpoint's code."""
+    from eagle3.schema import ConfigError
+    from workflows.core.config import compose
+    from workflows.tools.serve import refuse_a_wrapper_without_its_processor, sglang_command
+
+    wrapper = tmp_path / "kimi"
+    wrapper.mkdir()
+    text = {"model_type": "deepseek_v3", "num_hidden_layers": 8}
+    (wrapper / "config.json").write_text(
+        json.dumps({"model_type": "kimi_k25", "text_config": text, "vision_config": {}})
+    )
+    cfg = compose(["target=tiny_kimi", f"run_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"kimi_k25 wrapper's image processor .*needs target.trust_remote_code=true"):
+        sglang_command(cfg, wrapper, tmp_path / "draft")
+    refuse_a_wrapper_without_its_processor(wrapper, trust_remote_code=True)  # Kimi-K2.5's preset
+    (wrapper / "config.json").write_text(json.dumps(text))
+    refuse_a_wrapper_without_its_processor(wrapper, trust_remote_code=False)  # a text model
 
 
 @pytest.mark.slow

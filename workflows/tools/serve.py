@@ -132,6 +132,7 @@ def launch_command(
     cpu: bool = False,
     extra_args: list[str] | None = None,
     speculative: bool = True,
+    trust_remote_code: bool = False,
 ) -> tuple[list[str], dict]:
     """(argv, environment) for `python -m sglang.launch_server`; loopback unless told."""
     argv = [
@@ -150,6 +151,8 @@ def launch_command(
     if speculative:
         flags = speculative_args(effect.num_steps, effect.topk, effect.num_draft_tokens)
         argv += flags[:2] + ["--speculative-draft-model-path", str(draft_path)] + flags[2:]
+    if trust_remote_code:  # the preset asks for it by name (Kimi-K2.5: its tokenizer and processor)
+        argv.append("--trust-remote-code")
     environment = {k: str(v) for k, v in (env or {}).items()}
     if cpu:  # SGLang's CPU settings, and with a draft its CPU EAGLE path (workflows.core.sglang)
         argv += server_cpu_args(speculative=speculative)
@@ -285,7 +288,8 @@ def sglang_command(cfg, target_path: Path, draft: Path):
     """(argv, env, the wiring side of the draft as served) for SGLang serving an EAGLE-3 export."""
     from workflows.core.wiring import side_from_sglang_export
 
-    s = cfg.serve
+    s, t = cfg.serve, cfg.target
+    refuse_a_wrapper_without_its_processor(target_path, t.trust_remote_code)
     effect = resolve_spec_args(
         *drafting_to_serve(s, cfg.evaluate, RunLayout.of(cfg).report_file), target_architecture(target_path)
     )
@@ -293,11 +297,35 @@ def sglang_command(cfg, target_path: Path, draft: Path):
         log(f"serve: WARNING {w}")
     side = side_from_sglang_export(draft, cfg.target.num_layers, cfg.target.model_type)
     side.name = f"serving (--speculative-draft-model-path {draft})"
-    t = cfg.target
     argv, env = launch_command(
-        str(target_path), str(draft), effect, t.tp_size, s.host, s.port, t.env, s.cpu, s.extra_args
+        str(target_path),
+        str(draft),
+        effect,
+        t.tp_size,
+        s.host,
+        s.port,
+        t.env,
+        s.cpu,
+        s.extra_args,
+        trust_remote_code=t.trust_remote_code,
     )
     return argv, env, side
+
+
+def refuse_a_wrapper_without_its_processor(target_path: Path, trust_remote_code: bool) -> None:
+    """SGLang 0.5.23's server builds a multimodal wrapper's processor (kimi_k25's from the
+    checkpoint's own code) whatever it is sent: its command line cannot turn multimodal off
+    (`--enable-multimodal` only turns it on) and `--language-model-only` refuses the kimi_k25
+    class. A wrapper served without trust_remote_code would fail at its first request
+    ("'Kimi_K25Processor' object has no attribute 'media_processor'"): refused here."""
+    config = read_json(target_path / "config.json")
+    if "text_config" in config and "vision_config" in config and not trust_remote_code:
+        raise ConfigError(
+            f"{target_path}: SGLang's server builds this {config.get('model_type')} wrapper's image processor from "
+            "the checkpoint's own code, which needs target.trust_remote_code=true (a checkpoint that ships it, as "
+            "Kimi-K2.5 does); it cannot serve the language model alone. The evaluate stage's served check serves "
+            "this draft on both engines (SGLang offline with multimodal off; vLLM with --language-model-only)"
+        )
 
 
 def vllm_command(cfg, target_path: Path, draft: Path, method: str, report: ReportHeadline | None):
