@@ -197,15 +197,15 @@ def test_every_stage_runs_on_the_kimi_shaped_target_and_both_engines_serve_it_as
     import shutil
 
     from tests.helpers import corpus_rows
-    from tests.test_workflows import compose_cfg
     from workflows import full
+    from workflows.core.config import compose
     from workflows.core.engine_spec import EngineSpec
     from workflows.core.engines import make_engine
     from workflows.core.serving import ServeJob, served_check, verdict, vllm_target_args
     from workflows.core.wiring import check, sides_for_run
 
     run = tmp_path / "run"
-    cfg = compose_cfg(*KIMI_RUN, f"cache_dir={tiny_kimi_target.parent.parent}", f"run_dir={run}")
+    cfg = compose([*KIMI_RUN, f"cache_dir={tiny_kimi_target.parent.parent}", f"run_dir={run}"])
     logs = []
     monkeypatch.setattr(full, "log", logs.append)
     full.run(cfg)

@@ -69,6 +69,12 @@ def text_config(config: Mapping) -> Mapping:
     return nested if isinstance(nested, Mapping) and "num_hidden_layers" in nested else config
 
 
+def is_multimodal_wrapper(config: Mapping) -> bool:
+    """A checkpoint whose language model sits inside a multimodal wrapper (kimi_k25): a config
+    with a text_config and a vision_config."""
+    return "text_config" in config and "vision_config" in config
+
+
 def read_hf_config(folder: str | Path) -> tuple[dict, Mapping]:
     """(config.json, its language-model part) of a checkpoint folder."""
     config = read_json(Path(folder) / "config.json")

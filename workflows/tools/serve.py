@@ -49,7 +49,7 @@ from workflows.core.errors import MissingArtefact, ServingError
 from workflows.core.layout import RunLayout
 from workflows.core.log import log
 from workflows.core.markers import read_json
-from workflows.core.provenance import REDACTED
+from workflows.core.provenance import REDACTED, is_multimodal_wrapper
 from workflows.core.records import ReportHeadline
 from workflows.core.serving import vllm_python, vllm_server_env, vllm_speculative_args, vllm_target_args
 from workflows.core.sglang import cpu_env, server_cpu_args, speculative_args
@@ -319,7 +319,7 @@ def refuse_a_wrapper_without_its_processor(target_path: Path, trust_remote_code:
     class. A wrapper served without trust_remote_code would fail at its first request
     ("'Kimi_K25Processor' object has no attribute 'media_processor'"): refused here."""
     config = read_json(target_path / "config.json")
-    if "text_config" in config and "vision_config" in config and not trust_remote_code:
+    if is_multimodal_wrapper(config) and not trust_remote_code:
         raise ConfigError(
             f"{target_path}: SGLang's server builds this {config.get('model_type')} wrapper's image processor from "
             "the checkpoint's own code, which needs target.trust_remote_code=true (a checkpoint that ships it, as "
