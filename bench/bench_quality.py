@@ -65,10 +65,12 @@ def is_validation(sample_id: str, fraction: float) -> bool:
     return int(digest[:8], 16) / 0xFFFFFFFF < fraction
 
 
-def load_split(overrides: list[str], fraction: float):
+def load_split(overrides: list[str], fraction: float, fit_samples: int = 0):
     """(cfg, target path, fit samples, validation samples, final_is_normed, store key) of the
     run's store; the key (a hash of the store's provenance) tells a rerun whether the trials
-    it kept were trained on this store."""
+    it kept were trained on this store. `fit_samples` > 0 keeps that many fit samples (the
+    same ones for every trial and seed; the validation part is unchanged): how a family's
+    quality grows with the data, at equal steps."""
     from workflows.core.config import compose
     from workflows.core.layout import RunLayout
     from workflows.core.targets import prepare_for
@@ -86,6 +88,11 @@ def load_split(overrides: list[str], fraction: float):
     val = [s for s in samples if is_validation(s["id"], fraction)]
     if not fit or not val:
         raise SystemExit(f"{layout.store_url}: {len(fit)} fit / {len(val)} validation samples; need both")
+    if fit_samples > len(fit):
+        raise SystemExit(f"--fit-samples {fit_samples}: {layout.store_url} has {len(fit)} fit samples")
+    if fit_samples:  # a fixed subset: the first by a salted hash of the id, not by source order
+        fit = sorted(fit, key=lambda s: hashlib.sha256(f"fit:{s['id']}".encode()).hexdigest())[:fit_samples]
+        fit.sort(key=lambda s: s["id"])
     key = hashlib.sha256(json.dumps(reader.provenance, sort_keys=True, default=str).encode()).hexdigest()[:12]
     target = prepare_for(cfg, log=lambda *_: None)
     _DATA["store_ids"], _DATA["hidden"] = list(reader.provenance["capture_layer_ids"]), reader.provenance["hidden_size"]
@@ -122,9 +129,9 @@ def decode_rows(samples: list[dict], limit: int, max_new_tokens: int) -> list[di
 _DATA: dict = {}  # each worker process reads the store once (initializer), not per trial
 
 
-def load_into_worker(overrides: list[str], fraction: float, threads: int) -> None:
+def load_into_worker(overrides: list[str], fraction: float, fit_samples: int, threads: int) -> None:
     exit_with_parent()
-    _, _, _DATA["fit"], _DATA["val"], _DATA["final_is_normed"], _ = load_split(overrides, fraction)
+    _, _, _DATA["fit"], _DATA["val"], _DATA["final_is_normed"], _ = load_split(overrides, fraction, fit_samples)
     _DATA["threads"] = threads
 
 
@@ -145,6 +152,8 @@ def exit_with_parent(every_s: float = 2.0) -> None:
 def trial_key(args: dict) -> str:
     """What a trial's figures depend on: a rerun with the same key reuses its files."""
     keyed = {k: args[k] for k in ("base", "overrides", "seed", "steps", "eval_every", "patience", "fraction", "store")}
+    if args.get("fit_samples"):  # only when set: the keys of whole-split trials stay as they were
+        keyed["fit_samples"] = args["fit_samples"]
     return hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -432,6 +441,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--validation-fraction", type=float, default=0.1)
+    ap.add_argument("--fit-samples", type=int, default=0, help="train on this many of the fit samples (0: all of them)")
     ap.add_argument("--eval-every", type=int, default=0, help="validation walk every N steps (0: once an epoch)")
     ap.add_argument("--patience", type=int, default=2, help="stop after N walks with no new best (0: never)")
     ap.add_argument("--decode-prompts", type=int, default=12, help="0: no decoding")
@@ -447,7 +457,7 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--out", type=Path, default=None, help="default: <run_dir>/ablation/ablation.{json,md}")
     a = ap.parse_args(argv)
-    cfg, target, fit, val, final_is_normed, store_key = load_split(a.overrides, a.validation_fraction)
+    cfg, target, fit, val, final_is_normed, store_key = load_split(a.overrides, a.validation_fraction, a.fit_samples)
     grid = [g for g in GRIDS[a.grid] if a.only is None or g[0] in a.only]
     out = a.out or cfg.run_path / "ablation" / "ablation"
     trials_dir = out.parent / "trials"
@@ -460,6 +470,7 @@ def main(argv=None) -> None:
         "eval_every": a.eval_every,
         "patience": a.patience,
         "fraction": a.validation_fraction,
+        "fit_samples": a.fit_samples,
         "store": store_key,
         "trials_dir": str(trials_dir),
     }
@@ -538,7 +549,7 @@ def run_pooled(fn, trials: list[dict], a, threads: int):
         a.jobs,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=load_into_worker,
-        initargs=(a.overrides, a.validation_fraction, threads),
+        initargs=(a.overrides, a.validation_fraction, a.fit_samples, threads),
     ) as pool:
         yield from zip(trials, pool.map(fn, trials))
 

@@ -468,6 +468,9 @@ def test_a_dspark_draft_goes_through_the_pipeline_and_vllm_serves_it_as_predicte
     assert report["lossless"] and 0.97 <= report["parity_ratio"] <= 1.03, report
     assert report["acceptance_decoded"] > 1.2, report  # the draft reads the target's states
     assert report["verified_per_pass"] == 4  # no adaptive cut by default: the whole block is verified
+    # Its own head over a draft vocabulary: no SGLang DSPARK folder (tests/test_dspark_sglang.py)
+    assert json.loads((run / "export" / "DONE.json").read_text())["summary"]["formats"] == ["vllm"]
+    assert not (run / "export" / "sglang").exists()
     check = report["served"]["vllm"]
     assert check["identical_to_greedy"] == check["prompts"] == report["prompts"], check
     assert check["matches_prediction"] and check["predicted"] == report["acceptance_decoded_vllm_definition"]

@@ -12,6 +12,8 @@ same, as Qwen3DSparkModel with its heads and no mask-embedding file, eagle3.dspa
 
     <run_dir>/export/vllm/     config.json (DFlashDraftModel, dflash_config) + model.safetensors
                                + mask_embedding.pt
+    <run_dir>/export/sglang/   a DSpark draft whose head is the target's only (SGLang's DSPARK
+                               layout: the same config.json, no head, markov_w2 in target order)
 
 Each family's exporter is named in EXPORTERS; an engine folder the draft's family does not
 write is removed, so no export of an earlier draft is left beside this one's.
@@ -60,7 +62,8 @@ from workflows.core.provenance import target_identity
 SGLANG_ARCH = "LlamaForCausalLMEagle3"
 # 2: the vLLM export names its capture ids in vLLM's numbering (format 1 wrote the project's,
 # one layer off in vLLM); in the stage's key, so an export of the older format is redone.
-EXPORT_FORMAT = 2
+# 3: a DSpark draft with the target's head gets SGLang's DSPARK folder too.
+EXPORT_FORMAT = 3
 
 
 def sglang_config(draft: DraftConfig, provenance: dict, dtype: str = "bfloat16") -> dict:
@@ -170,6 +173,26 @@ def export_dspark(
     return export_block_draft(draft_dir, out, dspark_export, dtype, target_layer_ids)
 
 
+def export_dspark_sglang(draft_dir: Path, out: Path, target_path: Path, dtype: str = "bfloat16") -> Path:
+    """A DSpark draft in SGLang's DSPARK layout (eagle3.dspark.export); refuses, naming the
+    settings that give one, a draft whose head is not the target's."""
+    import torch
+
+    from workflows.core.target_weights import read_head_and_norm
+
+    cfg = load_draft_config(draft_dir)
+    state = load_file(str(draft_dir / DRAFT_WEIGHTS))
+    refusal = dspark_export.sglang_refusal(cfg, state, read_head_and_norm(Path(target_path))[0])
+    if refusal:
+        raise ConfigError(f"{draft_dir}: no SGLang export: {refusal}")
+    with atomic_dir(out) as tmp:
+        tensors = dspark_export.sglang_tensors(state, getattr(torch, dtype))
+        save_file(tensors, str(tmp / EXPORT_WEIGHTS), metadata={"format": "pt"})
+        write_json_atomic(tmp / EXPORT_CONFIG, dspark_export.vllm_config(cfg, dtype))
+        write_json_atomic(tmp / PROVENANCE, load_provenance(draft_dir))
+    return out
+
+
 def export_block_draft(draft_dir: Path, out: Path, layout, dtype: str, target_layer_ids: list[int] | None) -> Path:
     """A block draft's vLLM folder by its family's `layout` module (export_tensors, vllm_config,
     and the mask embedding's file where the layout has one)."""
@@ -207,7 +230,12 @@ def write_dflash(cfg: FullConfig, layout: RunLayout, draft_dir: Path, target_pat
 
 def write_dspark(cfg: FullConfig, layout: RunLayout, draft_dir: Path, target_path: Path) -> list[str]:
     export_dspark(draft_dir, layout.vllm_export, cfg.target.dtype)
-    return ["vllm"]
+    try:  # SGLang's layout, for a draft that drafts through the target's own head
+        export_dspark_sglang(draft_dir, layout.sglang_export, target_path, cfg.target.dtype)
+    except ConfigError as e:
+        log(f"export: {e}")
+        return ["vllm"]
+    return ["vllm", "sglang"]
 
 
 # Family -> its exporter: writes the family's engine folders and returns their engines.

@@ -58,9 +58,12 @@ def vllm_config(cfg: DFlashConfig, dtype: str, target_layer_ids: list[int] | Non
 
 def export_tensors(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The draft's weights as vLLM loads them: floating ones in the serving dtype, `d2t` as
-    is; the frozen embeddings, `t2d` and the mask embedding left out (see the module doc)."""
+    is; the frozen embeddings, `t2d` and the mask embedding left out (see the module doc).
+    A draft over the whole target vocabulary ships no `d2t` either: its map is the identity,
+    and vLLM builds no map for it and refuses one (`no parameter named draft_id_to_target_id`)."""
+    left_out = NOT_EXPORTED + (("d2t",) if state["d2t"].numel() == state["t2d"].numel() else ())
     return {
-        k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items() if k not in NOT_EXPORTED
+        k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items() if k not in left_out
     }
 
 

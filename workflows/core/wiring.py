@@ -222,6 +222,8 @@ def side_from_sglang_export(
     from safetensors.torch import load_file
 
     cfg = read_json(folder / draft_files.EXPORT_CONFIG)
+    if "dflash_config" in cfg:
+        return side_from_sglang_dspark_export(folder, cfg)
     side = Side(f"SGLang export ({folder})")
     side.facts["draft_family"] = "eagle3"
     ours = cfg.get("eagle3_pipeline", {})
@@ -278,7 +280,30 @@ def side_from_sglang_export(
     return side
 
 
-def side_from_vllm_dflash_export(folder: Path, cfg: dict) -> Side:
+def side_from_sglang_dspark_export(folder: Path, cfg: dict) -> Side:
+    """SGLang's DSpark layout (eagle3.dspark.export): vLLM's config keys, read by the same
+    rules, and the target's own head: no lm_head (SGLang would skip it) and a `markov_w2` row
+    per target token (SGLang's loader refuses any other shape)."""
+    from safetensors.torch import load_file
+
+    side = side_from_vllm_dflash_export(folder, cfg, engine="SGLang")
+    weights = load_file(str(folder / draft_files.EXPORT_WEIGHTS))
+    w2, vocab = weights.get("markov_head.markov_w2.weight"), cfg.get("vocab_size")
+    if w2 is None or w2.shape[0] != vocab:
+        side.errors.append(
+            f"{side.name}: markov_head.markov_w2 is {None if w2 is None else list(w2.shape)}, SGLang's DSpark "
+            f"needs a row per target token ({vocab})"
+        )
+    if "lm_head.weight" in weights or "d2t" in weights:
+        side.errors.append(
+            f"{side.name}: the weights hold a draft head (lm_head/d2t), which SGLang's DSpark skips for the "
+            "target's: the draft would not be served as trained"
+        )
+    side.facts["draft_vocab_size"] = vocab  # the target's head drafts over every token
+    return side
+
+
+def side_from_vllm_dflash_export(folder: Path, cfg: dict, engine: str = "vLLM") -> Side:
     """vLLM's DFlash layout (eagle3.dflash.export): dflash_config's ids are ours as they are;
     the weights carry d2t (the draft vocabulary; t2d follows from it), the mask embedding's
     file names its id. A DSpark export (architecture Qwen3DSparkModel, eagle3.dspark.export)
@@ -288,7 +313,7 @@ def side_from_vllm_dflash_export(folder: Path, cfg: dict) -> Side:
     from safetensors.torch import load_file
 
     dspark = "Qwen3DSparkModel" in (cfg.get("architectures") or [])
-    side = Side(f"vLLM {'DSpark' if dspark else 'DFlash'} export ({folder})")
+    side = Side(f"{engine} {'DSpark' if dspark else 'DFlash'} export ({folder})")
     dflash = cfg.get("dflash_config") or {}
     side.facts["draft_family"] = "dspark" if dspark else "dflash"
     if dflash.get("target_layer_ids") is None:

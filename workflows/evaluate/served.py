@@ -22,6 +22,11 @@ NOT_SERVED = {
         "reads CUDA memory figures in its worker; the project exports DFlash drafts for vLLM, which serves them on "
         "CPU and GPU"
     ),
+    ("dspark", "sglang"): (
+        "SGLang 0.5.23 serves DSPARK on CUDA, NPU or XPU only (its server refuses a CPU, and its drafting "
+        "kernels are Triton); the project serves DSpark drafts by vLLM, and writes SGLang's layout for a draft "
+        "with the target's head (draft.dspark.head=target over the whole vocabulary), held to SGLang's own loader"
+    ),
 }
 
 
