@@ -130,4 +130,7 @@ GRIDS["drafters"] = [
     # blocks of 7, every slot a guess (7 a pass, as the rows above), 5 layers, rank 256.
     ("dspark", ["draft=dspark"]),
     ("dspark layers=1", ["draft=dspark", "draft.dspark.num_layers=1"]),  # EAGLE-3's layer count
+    # The paper's own head: DeepSpec's drafts share the target's lm_head over the whole
+    # vocabulary (SmolLM2's 49152 tokens here), the one layout SGLang's DSPARK serves.
+    ("dspark head=target", ["draft=dspark", "draft.dspark.head=target", "draft.draft_vocab_size=49152"]),
 ]

@@ -1,20 +1,15 @@
 """SGLang's DSPARK layout (eagle3.dspark.export), held to SGLang 0.5.23's own DSpark model.
 
 SGLang serves DSPARK on CUDA, NPU or XPU only (its server refuses a CPU), so what a CPU can
-check is the model SGLang builds from the export: its config parser reads our config.json as
-we mean it, its loader fills every parameter from our weights, and its Markov and confidence
-heads, with the target's lm_head it shares, give the draft's own logits and confidences. The
-model is built in a child process (SGLang's process-wide config and process groups), with
-the CPU stand-ins of workflows/sglang_cpu_shim, in both of SGLang's verify modes: "static"
-builds no confidence head, "compact" (adaptive verification) does.
+check is the model SGLang builds from the export (workflows.tools.sglang_dspark_check, in a
+process of its own with the CPU stand-ins): its config parser reads our config.json as we
+mean it, its loader fills every parameter from our weights, and its Markov and confidence
+heads compute what the draft's own do on the same tensors.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,50 +18,10 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.schema import ConfigError
 from tests.test_dspark import tiny_dspark
+from tests.test_export import run_sglang_tool
 from workflows.core import wiring as doctor
 from workflows.core.draft_files import save_draft
-from workflows.core.sglang import SHIM_DIR
 from workflows.export import export_dspark, export_dspark_sglang
-
-ROOT = Path(__file__).resolve().parents[1]
-
-# Builds SGLang's Qwen3DSparkModel from the export, loads its weights, and writes what SGLang
-# holds and computes: every parameter, its parsed config, and its heads on given inputs.
-SGLANG_SIDE = r"""
-import json, sys, torch
-from safetensors.torch import load_file, save_file
-from transformers import PretrainedConfig
-from sglang.srt import runtime_context
-from sglang.srt.server_args import ServerArgs
-from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
-from sglang.srt.speculative.dspark_components.dspark_config import parse_dspark_draft_config
-
-export, target, inputs, out = sys.argv[1:5]
-runtime_context.publish(
-    ServerArgs(model_path=target, device="cpu", attention_backend="torch_native", skip_tokenizer_init=True),
-    role="test",
-)
-init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
-                             distributed_init_method="tcp://127.0.0.1:" + sys.argv[5])
-initialize_model_parallel()
-from sglang.srt.models.dspark import Qwen3DSparkModel
-
-config = PretrainedConfig(**json.load(open(export + "/config.json")))
-parsed = parse_dspark_draft_config(draft_hf_config=config)
-model = Qwen3DSparkModel(config)
-model.load_weights(iter(load_file(export + "/model.safetensors").items()))
-x = load_file(inputs)
-with torch.no_grad():
-    held = {"param." + n: p.detach().clone() for n, p in model.named_parameters()}
-    held["bias"] = model.markov_head.project_bias(model.markov_head.get_prev_embeddings(x["prev"]))
-    if model.confidence_head is not None:
-        embedded = model.markov_head.get_prev_embeddings(x["prev"])
-        held["confidence"] = model.confidence_head(x["normed"], embedded)
-save_file(held, out)
-print(json.dumps({"gamma": parsed.gamma, "target_layer_ids": parsed.target_layer_ids,
-                  "mask_token_id": parsed.mask_token_id, "markov_rank": parsed.markov_rank,
-                  "confidence_head": model.confidence_head is not None}))
-"""
 
 
 def target_folder(folder: Path, head: torch.Tensor, norm: torch.Tensor) -> Path:
@@ -89,27 +44,12 @@ def target_folder(folder: Path, head: torch.Tensor, norm: torch.Tensor) -> Path:
     return folder
 
 
-def sglang_side(export: Path, target: Path, inputs: dict, tmp: Path, mode: str, port: int) -> tuple[dict, dict]:
-    save_file(inputs, str(tmp / "inputs.safetensors"))
-    out = tmp / f"sglang_{mode}.safetensors"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(SHIM_DIR), str(ROOT)]),
-        "SGLANG_RAGGED_VERIFY_MODE": mode,
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [sys.executable, "-c", SGLANG_SIDE, str(export), str(target), str(tmp / "inputs.safetensors"), str(out)]
-    done = subprocess.run([*cmd, str(port)], cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1]), load_file(str(out))
-
-
 @pytest.mark.slow
 def test_sglangs_own_dspark_model_loads_the_export_and_computes_the_drafts_heads(tmp_path):
     """A DSpark draft with the target's head over the whole vocabulary (draft.dspark.head=target
     with draft_vocab_size = the target's; the vocab stage's map is then the identity): SGLang's
-    model holds every tensor of ours (q/k/v and gate/up fused), its Markov bias plus the target's
-    head gives our logits, and its confidence head our confidences."""
+    model holds every tensor of ours (q/k/v and gate/up fused), nothing of ours is left
+    unloaded, and its Markov and confidence heads give the draft's numbers."""
     draft = tiny_dspark(0, block_size=4, dtype=torch.float32)  # 97 tokens, all drafted
     c = draft.cfg
     draft.set_vocab_mapping(torch.zeros(c.vocab_size, dtype=torch.long), torch.ones(c.vocab_size, dtype=torch.bool))
@@ -126,37 +66,18 @@ def test_sglangs_own_dspark_model_loads_the_export_and_computes_the_drafts_heads
     sides = [doctor.side_from_draft(tmp_path / "draft"), doctor.side_from_sglang_export(export)]
     assert doctor.check([*sides, doctor.side_from_vllm_export(vllm)]) == []
 
-    hidden, prev = torch.randn(5, c.hidden_size), torch.tensor([0, 7, 96, 40, 13])
-    with torch.no_grad():
-        logits, confidence = draft.heads(hidden, prev)  # draft order
-        normed = draft.norm(hidden)
-    parsed, sglang = sglang_side(export, target, {"prev": prev, "normed": normed}, tmp_path, "compact", 29741)
-    assert parsed == {
+    returncode, [report] = run_sglang_tool("sglang_dspark_check", "SGLANG_DSPARK_CHECK", export)
+    assert returncode == 0 and report["problems"] == [], report
+    assert report["config"] == {
         "gamma": 4,  # every slot of a block of 4 drafts
         "target_layer_ids": [1, 2, 3],
         "mask_token_id": c.mask_token_id,
         "markov_rank": 8,
-        "confidence_head": True,
-    }
-    ours = dict(draft.named_parameters())
-    for name, held in ((k.removeprefix("param."), v) for k, v in sglang.items() if k.startswith("param.")):
-        attn = name.replace(".qkv_proj.", ".{}.").replace(".gate_up_proj.", ".{}.")
-        if ".qkv_proj." in name:
-            want = torch.cat([ours[attn.format(p)] for p in ("q_proj", "k_proj", "v_proj")])
-        elif ".gate_up_proj." in name:
-            want = torch.cat([ours[attn.format(p)] for p in ("gate_proj", "up_proj")])
-        else:
-            want = ours[name]
-        assert torch.equal(held, want.detach()), name
-    # SGLang's logits: the target's head on the normed state, plus its Markov bias
-    served = normed @ head.T + sglang["bias"]
-    assert torch.allclose(served, logits, atol=1e-5), (served - logits).abs().max()
-    assert torch.equal(served.argmax(-1), logits.argmax(-1))
-    assert torch.allclose(sglang["confidence"], confidence, atol=1e-6)
-
-    # Static verification (SGLang's default) builds no confidence head and skips ours.
-    parsed, _ = sglang_side(export, target, {"prev": prev, "normed": normed}, tmp_path, "static", 29742)
-    assert parsed["confidence_head"] is False
+        "markov_head_type": "vanilla",
+    }, report
+    # fc, hidden_norm, norm, 2 layers x 8 (q/k/v and gate/up fused), the Markov and confidence heads
+    assert report["confidence_head"] and len(report["checked"]) == 3 + 2 * 8 + 2 + 2, report["checked"]
+    assert report["heads_max_abs_diff"] <= 1e-6, report
 
 
 def test_a_draft_with_its_own_head_gets_no_sglang_export_and_a_shifted_one_is_named(tmp_path):
