@@ -67,13 +67,18 @@ def read_config(config, target_layers: int) -> dict:
 def check_weights(config, ours: dict[str, torch.Tensor]) -> dict:
     from sglang.srt.models.dflash import DFlashDraftModel
 
-    model = DFlashDraftModel(config)
+    return load_and_compare(DFlashDraftModel(config), ours)
+
+
+def load_and_compare(model, ours: dict[str, torch.Tensor]) -> dict:
+    """SGLang's block-draft `model` after its load_weights on our tensors: (problems,
+    parameters checked, our tensors it never loaded)."""
     model.load_weights(iter(ours.items()))
     problems, checked, not_ours, used = compare(model, ours, our_names)
     problems += [f"{name}: SGLang's parameter has no tensor of ours" for name in not_ours]
     not_loaded = sorted(set(ours) - used)
     if not_loaded:
-        # SGLang's DFLASH draft has no head of its own: the worker drafts through the
+        # SGLang's block drafts have no head of their own: the worker drafts through the
         # target's lm_head over the whole vocabulary, so a trained head is not served.
         problems.append(f"tensors SGLang never loaded: {not_loaded}")
     return {"problems": problems, "checked": sorted(checked), "not_loaded": not_loaded}

@@ -31,8 +31,8 @@ from safetensors.torch import load_file
 
 from eagle3.dspark.model import ConfidenceHead, MarkovHead
 from workflows.core.draft_files import EXPORT_CONFIG, EXPORT_WEIGHTS
-from workflows.tools.sglang_dflash_check import our_names
-from workflows.tools.sglang_load_check import compare, init_sglang_cpu
+from workflows.tools.sglang_dflash_check import load_and_compare
+from workflows.tools.sglang_load_check import init_sglang_cpu
 
 PROBES = 8  # probe tokens and states for the heads
 
@@ -78,19 +78,15 @@ def check(export_dir: Path) -> dict:
     config = Qwen3Config(**json.loads((export_dir / EXPORT_CONFIG).read_text()))
     ours = load_file(str(export_dir / EXPORT_WEIGHTS))
     model = Qwen3DSparkModel(config)
-    model.load_weights(iter(ours.items()))
-    problems, checked, not_ours, used = compare(model, ours, our_names)
-    problems += [f"{name}: SGLang's parameter has no tensor of ours" for name in not_ours]
-    not_loaded = sorted(set(ours) - used)
-    if not_loaded:
-        problems.append(f"tensors SGLang never loaded: {not_loaded}")
+    loaded = load_and_compare(model, ours)
+    problems = loaded["problems"]
     difference = heads_difference(model, ours, config)
     if difference > 1e-5:
         problems.append(f"SGLang's heads differ from the draft's by {difference:.3g}")
     return {
         "config": read_config(config),
         "confidence_head": model.confidence_head is not None,
-        "checked": sorted(checked),
+        "checked": loaded["checked"],
         "heads_max_abs_diff": difference,
         "problems": problems,
         "ok": not problems,
