@@ -13,7 +13,7 @@ same, as Qwen3DSparkModel with its heads and no mask-embedding file, eagle3.dspa
     <run_dir>/export/vllm/     config.json (DFlashDraftModel, dflash_config) + model.safetensors
                                + mask_embedding.pt
     <run_dir>/export/sglang/   a DSpark draft whose head is the target's only (SGLang's DSPARK
-                               layout: the same config.json, no head, markov_w2 in target order)
+                               layout: the same config.json, no head, markov_w2 per target token)
 
 Each family's exporter is named in EXPORTERS; an engine folder the draft's family does not
 write is removed, so no export of an earlier draft is left beside this one's.
