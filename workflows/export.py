@@ -182,7 +182,7 @@ def export_dspark_sglang(draft_dir: Path, out: Path, target_path: Path, dtype: s
 
     cfg = load_draft_config(draft_dir)
     state = load_file(str(draft_dir / DRAFT_WEIGHTS))
-    refusal = dspark_export.sglang_refusal(cfg, state, read_head_and_norm(Path(target_path))[0])
+    refusal = dspark_export.sglang_refusal(cfg, state, lambda: read_head_and_norm(Path(target_path))[0])
     if refusal:
         raise ConfigError(f"{draft_dir}: no SGLang export: {refusal}")
     with atomic_dir(out) as tmp:

@@ -27,6 +27,8 @@ read a trained head's hidden states through the target's head).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from eagle3.dflash import export as dflash_export
@@ -57,10 +59,13 @@ def vllm_config(cfg: DSparkConfig, dtype: str, target_layer_ids: list[int] | Non
 SGLANG_LEFT_OUT = ("lm_head.weight", "d2t", "t2d", "embed_tokens.weight", "mask_embedding")
 
 
-def sglang_refusal(cfg: DSparkConfig, state: dict[str, torch.Tensor], target_lm_head: torch.Tensor) -> str | None:
+def sglang_refusal(
+    cfg: DSparkConfig, state: dict[str, torch.Tensor], target_lm_head: Callable[[], torch.Tensor]
+) -> str | None:
     """Why SGLang's DSpark cannot serve this draft as trained (None: it can): its logits come
     from the target's lm_head over the whole vocabulary, so the draft's head must be exactly
-    that one (see the module doc)."""
+    that one (see the module doc). `target_lm_head` reads it, only for a draft over the whole
+    vocabulary (a 1T target's head is gigabytes)."""
     how = f"train with draft.dspark.head=target draft.draft_vocab_size={cfg.vocab_size} for an SGLang export"
     if cfg.draft_vocab_size != cfg.vocab_size:
         return (
@@ -69,7 +74,7 @@ def sglang_refusal(cfg: DSparkConfig, state: dict[str, torch.Tensor], target_lm_
         )
     if not torch.equal(target_ids_of(state["d2t"]), torch.arange(cfg.vocab_size)):
         return f"the draft's vocabulary map is not the target's ids in order (d2t is not all 0): {how}"
-    if not torch.equal(state["lm_head.weight"], target_lm_head.to(state["lm_head.weight"].dtype)):
+    if not torch.equal(state["lm_head.weight"], target_lm_head().to(state["lm_head.weight"].dtype)):
         return f"SGLang's DSpark reads the target's lm_head, and this draft trained a head of its own: {how}"
     return None
 

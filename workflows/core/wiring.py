@@ -286,8 +286,8 @@ def side_from_sglang_dspark_export(folder: Path, cfg: dict) -> Side:
     per target token (SGLang's loader refuses any other shape)."""
     from safetensors.torch import load_file
 
-    side = side_from_vllm_dflash_export(folder, cfg, engine="SGLang")
     weights = load_file(str(folder / draft_files.EXPORT_WEIGHTS))
+    side = side_from_vllm_dflash_export(folder, cfg, engine="SGLang", weights=weights)
     w2, vocab = weights.get("markov_head.markov_w2.weight"), cfg.get("vocab_size")
     if w2 is None or w2.shape[0] != vocab:
         side.errors.append(
@@ -303,7 +303,7 @@ def side_from_sglang_dspark_export(folder: Path, cfg: dict) -> Side:
     return side
 
 
-def side_from_vllm_dflash_export(folder: Path, cfg: dict, engine: str = "vLLM") -> Side:
+def side_from_vllm_dflash_export(folder: Path, cfg: dict, engine: str = "vLLM", weights: dict | None = None) -> Side:
     """vLLM's DFlash layout (eagle3.dflash.export): dflash_config's ids are ours as they are;
     the weights carry d2t (the draft vocabulary; t2d follows from it), the mask embedding's
     file names its id. A DSpark export (architecture Qwen3DSparkModel, eagle3.dspark.export)
@@ -328,7 +328,8 @@ def side_from_vllm_dflash_export(folder: Path, cfg: dict, engine: str = "vLLM") 
             "mask_token_id": dflash.get("mask_token_id"),
         }
     )
-    weights = load_file(str(folder / draft_files.EXPORT_WEIGHTS))
+    if weights is None:  # the caller's, when it has read them already
+        weights = load_file(str(folder / draft_files.EXPORT_WEIGHTS))
     d2t = weights.get("d2t")
     if d2t is not None:
         t2d = torch.zeros(int(cfg.get("vocab_size", 0)), dtype=torch.bool)
