@@ -10,105 +10,53 @@ compares each fact across the sides that state it; every disagreement is one err
 names both sides and both values. Capture ids stated in SGLang's "input of layer"
 convention are converted first, and shown as stated, so `[2, 30, 58]` inputs next to
 `[-1, 2, 30]` outputs reads as the failure it is.
+
+The record and the comparison live in workflows.core.wiring_facts; the block drafts'
+export sides in workflows.core.wiring_block.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3.layer_ids import CONVENTION, from_sglang_layer_inputs, sglang_default_layer_inputs, sglang_layer_inputs
-from eagle3.schema import ConfigError
-from eagle3.vocab import target_ids_of
+from eagle3.layer_ids import sglang_default_layer_inputs, sglang_layer_inputs
 from storage.store import HiddenStateStore
 from workflows.core import draft_files
 from workflows.core.layout import RunLayout
 from workflows.core.markers import read_json
 from workflows.core.provenance import engine_captured_mismatch, target_identity
-
-INPUT_CONVENTION = "input_of_layer"  # SGLang's layers_to_capture
-FIELDS = (
-    "draft_family",
-    "capture_layer_ids",
-    "target_num_layers",
-    "target_hidden_size",
-    "target_vocab_size",
-    "draft_vocab_size",
-    "vocab_map_sha256",
-    "mask_token_id",
-    "feature_norms",
-    "tokenizer_sha256",
-    "chat_template_sha256",
-    "target_path",
+from workflows.core.wiring_block import side_from_sglang_dspark_export, side_from_vllm_dflash_export
+from workflows.core.wiring_facts import (
+    FIELDS,
+    INPUT_CONVENTION,
+    Side,
+    check,
+    check_feature_norm_weights,
+    check_vocab_map,
+    feature_norms,
+    raise_on_errors,
+    set_capture_ids,
 )
 
-
-def feature_norms(norm_before_fc, fc_norm) -> str:
-    return f"norm_before_fc={bool(norm_before_fc)}, fc_norm={bool(fc_norm)}"
-
-
-def check_feature_norm_weights(side: Side, names, norm_before_fc: bool, fc_norm: bool, num_aux: int) -> None:
-    """The weights must match the flags both ways: SGLang leaves a missing norm weight at
-    ones and silently drops a weight its config does not ask for, serving another draft."""
-    names = set(names)
-    want = ({"input_norm.weight"} if norm_before_fc else set()) | (
-        {f"fc_norm.{i}.weight" for i in range(num_aux)} if fc_norm else set()
-    )
-    have = {n for n in names if n == "input_norm.weight" or n.startswith("fc_norm.")}
-    if want - have:
-        side.errors.append(
-            f"{side.name}: {feature_norms(norm_before_fc, fc_norm)} but the weights lack {sorted(want - have)}"
-        )
-    if have - want:
-        side.errors.append(
-            f"{side.name}: weights {sorted(have - want)} are not used by "
-            f"{feature_norms(norm_before_fc, fc_norm)} (SGLang would drop them silently)"
-        )
-
-
-@dataclass
-class Side:
-    name: str
-    facts: dict = field(default_factory=dict)
-    stated: dict = field(default_factory=dict)  # how a fact was written, when converted
-    errors: list[str] = field(default_factory=list)  # problems inside this one artefact
-
-
-def set_capture_ids(side: Side, ids, convention: str | None) -> None:
-    if ids is None:
-        return
-    ids = [int(i) for i in ids]
-    if convention == CONVENTION:
-        side.facts["capture_layer_ids"] = ids
-    elif convention == INPUT_CONVENTION:
-        side.facts["capture_layer_ids"] = from_sglang_layer_inputs(ids)
-        side.stated["capture_layer_ids"] = f"inputs of layers {ids}"
-    else:
-        side.errors.append(
-            f"{side.name}: capture ids {ids} have no known layer-id convention "
-            f"({convention!r}; expected {CONVENTION!r} or {INPUT_CONVENTION!r})"
-        )
-
-
-def vocab_map_sha256(d2t, t2d) -> str:
-    import numpy as np
-
-    h = hashlib.sha256(np.asarray(d2t, dtype=np.int64).tobytes())
-    h.update(np.asarray(t2d, dtype=np.bool_).tobytes())
-    return h.hexdigest()[:16]
-
-
-def check_vocab_map(side: Side, d2t, t2d) -> None:
-    """d2t and t2d must describe the same draft->target map (target = i + d2t[i])."""
-    import torch
-
-    d2t, t2d = torch.as_tensor(d2t).long(), torch.as_tensor(t2d).bool()
-    side.facts["draft_vocab_size"] = int(d2t.numel())
-    side.facts["vocab_map_sha256"] = vocab_map_sha256(d2t.numpy(), t2d.numpy())
-    if not torch.equal(target_ids_of(d2t), t2d.nonzero().flatten()):
-        side.errors.append(f"{side.name}: d2t and t2d disagree (arange + d2t lists other target ids than t2d marks)")
+# The doctor's whole interface, for its callers (the export stage, the doctor and serve
+# tools): the sides of each artefact, and the record and checks of workflows.core.wiring_facts.
+__all__ = [
+    "FIELDS",
+    "Side",
+    "check",
+    "check_vocab_map",
+    "raise_on_errors",
+    "side_from_draft",
+    "side_from_engine_capture",
+    "side_from_provenance",
+    "side_from_sglang_dspark_export",
+    "side_from_sglang_export",
+    "side_from_store",
+    "side_from_target",
+    "side_from_vllm_dflash_export",
+    "side_from_vllm_export",
+    "sides_for_run",
+]
 
 
 def side_from_target(p: dict) -> Side:
@@ -280,105 +228,6 @@ def side_from_sglang_export(
     return side
 
 
-def side_from_sglang_dspark_export(folder: Path, cfg: dict) -> Side:
-    """SGLang's DSpark layout (eagle3.dspark.export): vLLM's config keys, read by the same
-    rules, and the target's own head: no lm_head (SGLang would skip it) and a `markov_w2` row
-    per target token (SGLang's loader refuses any other shape)."""
-    from safetensors.torch import load_file
-
-    weights = load_file(str(folder / draft_files.EXPORT_WEIGHTS))
-    side = side_from_vllm_dflash_export(folder, cfg, engine="SGLang", weights=weights)
-    w2, vocab = weights.get("markov_head.markov_w2.weight"), cfg.get("vocab_size")
-    if w2 is None or w2.shape[0] != vocab:
-        side.errors.append(
-            f"{side.name}: markov_head.markov_w2 is {None if w2 is None else list(w2.shape)}, SGLang's DSpark "
-            f"needs a row per target token ({vocab})"
-        )
-    if "lm_head.weight" in weights or "d2t" in weights:
-        side.errors.append(
-            f"{side.name}: the weights hold a draft head (lm_head/d2t), which SGLang's DSpark skips for the "
-            "target's: the draft would not be served as trained"
-        )
-    side.facts["draft_vocab_size"] = vocab  # the target's head drafts over every token
-    return side
-
-
-def side_from_vllm_dflash_export(folder: Path, cfg: dict, engine: str = "vLLM", weights: dict | None = None) -> Side:
-    """vLLM's DFlash layout (eagle3.dflash.export): dflash_config's ids are ours as they are;
-    the weights carry d2t (the draft vocabulary; t2d follows from it), the mask embedding's
-    file names its id. A DSpark export (architecture Qwen3DSparkModel, eagle3.dspark.export)
-    is the same but for the mask: vLLM's DSpark embeds the mask slots as the target's row, as
-    the draft trains them, so it ships no mask-embedding file; its heads are checked too."""
-    import torch
-    from safetensors.torch import load_file
-
-    dspark = "Qwen3DSparkModel" in (cfg.get("architectures") or [])
-    side = Side(f"{engine} {'DSpark' if dspark else 'DFlash'} export ({folder})")
-    dflash = cfg.get("dflash_config") or {}
-    side.facts["draft_family"] = "dspark" if dspark else "dflash"
-    if dflash.get("target_layer_ids") is None:
-        side.errors.append(f"{side.name}: config.json has no dflash_config.target_layer_ids")
-    else:
-        set_capture_ids(side, dflash["target_layer_ids"], CONVENTION)
-        side.stated["capture_layer_ids"] = f"vLLM's dflash_config.target_layer_ids={dflash['target_layer_ids']}"
-    side.facts.update(
-        {
-            "target_hidden_size": cfg.get("target_hidden_size", cfg.get("hidden_size")),
-            "target_vocab_size": cfg.get("vocab_size"),
-            "mask_token_id": dflash.get("mask_token_id"),
-        }
-    )
-    if weights is None:  # the caller's, when it has read them already
-        weights = load_file(str(folder / draft_files.EXPORT_WEIGHTS))
-    d2t = weights.get("d2t")
-    if d2t is not None:
-        t2d = torch.zeros(int(cfg.get("vocab_size", 0)), dtype=torch.bool)
-        t2d[target_ids_of(d2t)] = True
-        check_vocab_map(side, d2t, t2d)
-    if dspark:
-        check_dspark_heads(side, cfg, weights)
-        return side
-    mask_file = folder / draft_files.MASK_EMBEDDING
-    if not mask_file.is_file():
-        side.errors.append(
-            f"{side.name}: no {draft_files.MASK_EMBEDDING}: vLLM would embed the mask slots with the target's row of "
-            f"token {dflash.get('mask_token_id')}, not the trained mask embedding"
-        )
-    else:
-        stated = torch.load(mask_file, weights_only=True, map_location="cpu").get("mask_token_id")
-        if stated != dflash.get("mask_token_id"):
-            side.errors.append(
-                f"{side.name}: {draft_files.MASK_EMBEDDING} is for mask token {stated} but dflash_config.mask_token_id="
-                f"{dflash.get('mask_token_id')} (vLLM refuses the pair)"
-            )
-    return side
-
-
-def check_dspark_heads(side: Side, cfg: dict, weights: dict) -> None:
-    """The heads vLLM's DSpark builds from config.json must be the ones the weights hold: a
-    Markov head of `markov_rank` over the target's vocabulary, and a confidence head only where
-    `enable_confidence_head` (vLLM drops a confidence head the config does not name, silently,
-    and then verifies every drafted token)."""
-    rank, w1 = cfg.get("markov_rank"), weights.get("markov_head.markov_w1.weight")
-    if w1 is None or rank is None or tuple(w1.shape) != (cfg.get("vocab_size"), rank):
-        side.errors.append(
-            f"{side.name}: config.json markov_rank={rank}, vocab_size={cfg.get('vocab_size')} but "
-            f"markov_head.markov_w1 is {None if w1 is None else list(w1.shape)}"
-        )
-    has_head = "confidence_head.proj.weight" in weights
-    if bool(cfg.get("enable_confidence_head")) != has_head:
-        side.errors.append(
-            f"{side.name}: config.json enable_confidence_head={cfg.get('enable_confidence_head')} but the weights "
-            f"{'hold' if has_head else 'lack'} confidence_head.proj"
-        )
-    side.facts["sample_from_anchor"] = cfg.get("sample_from_anchor", True)
-    if side.facts["sample_from_anchor"] is not True:
-        side.errors.append(
-            f"{side.name}: sample_from_anchor={cfg.get('sample_from_anchor')}: vLLM would read the block as DFlash's "
-            "anchor-plus-K fill-in, not the layout the draft trained (every slot a guess)"
-        )
-
-
 def side_from_vllm_export(folder: Path) -> Side:
     cfg = read_json(folder / draft_files.EXPORT_CONFIG)
     if "dflash_config" in cfg:
@@ -413,36 +262,6 @@ def side_from_engine_capture(name: str, layer_inputs: list[int]) -> Side:
     side = Side(name)
     set_capture_ids(side, layer_inputs, INPUT_CONVENTION)
     return side
-
-
-def check(sides: list[Side]) -> list[str]:
-    errors = [e for s in sides for e in s.errors]
-    for store in (s for s in sides if s.facts.get("stored_capture_ids") is not None):
-        held = store.facts["stored_capture_ids"]
-        for side in (s for s in sides if s.facts.get("capture_layer_ids") is not None):
-            missing = [i for i in side.facts["capture_layer_ids"] if i not in held]
-            if missing:
-                errors.append(
-                    f"capture_layer_ids: {side.name} says {_show(side, 'capture_layer_ids')} but {store.name} holds "
-                    f"{_show(store, 'stored_capture_ids')}: {missing} are not captured"
-                )
-    for f in FIELDS:
-        stating = [s for s in sides if s.facts.get(f) is not None]
-        for other in stating[1:]:
-            first = stating[0]
-            if other.facts[f] != first.facts[f]:
-                errors.append(f"{f}: {first.name} says {_show(first, f)} but {other.name} says {_show(other, f)}")
-    return errors
-
-
-def _show(side: Side, f: str) -> str:
-    v = side.facts[f]
-    return f"{v} ({side.stated[f]})" if f in side.stated else json.dumps(v) if not isinstance(v, str) else v
-
-
-def raise_on_errors(errors: list[str]) -> None:
-    if errors:
-        raise ConfigError("wiring doctor found disagreements:\n  - " + "\n  - ".join(errors))
 
 
 def sides_for_run(cfg, target_path: Path, with_export: bool = True) -> list[Side]:
