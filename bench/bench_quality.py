@@ -1,5 +1,5 @@
 """Draft quality ablation: train the same data for the same steps under each setting, then
-score it on a validation split of the *train* prompts (the held-out split is never seen).
+score it on a validation split of the *train* prompts (the held-out split never chooses).
 
     python -m bench.bench_quality --overrides +experiment=specforge_smollm2 --grid long \
         --steps 3690 --seeds 0 1 [--patience 2] [--finalists 3] [--decode-prompts 12]
@@ -21,7 +21,10 @@ validation part every `--eval-every` steps (default once an epoch). It stops ear
 * for the finalists only (the grid's first setting and the `--finalists` best others by
   mean walk), decoded acceptance of the reference speculative decoder, chain (k =
   evaluate.num_steps) and tree (SGLang's default 5 steps, topk 4, 8 draft tokens),
-  checked lossless against greedy decoding, on `--decode-prompts` validation prompts;
+  checked lossless against greedy decoding, on `--decode-prompts` validation prompts, or
+  (`--decode-on heldout`) on the run's held-out prompts, as the evaluate stage decodes them:
+  the finalists are chosen on the validation split either way, so the held-out prompts
+  only report the finalists' figures, as a test set does;
 * training tokens/s.
 
 One trial at a time by default, with every core (`--jobs N` shares the cores out between N
@@ -97,6 +100,25 @@ def load_split(overrides: list[str], fraction: float, fit_samples: int = 0):
     target = prepare_for(cfg, log=lambda *_: None)
     _DATA["store_ids"], _DATA["hidden"] = list(reader.provenance["capture_layer_ids"]), reader.provenance["hidden_size"]
     return cfg, target, fit, val, bool(reader.provenance.get("final_is_normed", True)), key
+
+
+def heldout_decode_rows(cfg, limit: int, max_new_tokens: int) -> list[dict]:
+    """The run's held-out prompts as the evaluate stage decodes them (its `heldout_rows`:
+    the first answer, cut to `max_new_tokens`), in the decoder's terms."""
+    from workflows.core.layout import RunLayout
+    from workflows.evaluate.stage import heldout_rows
+
+    return as_decode_rows(heldout_rows(RunLayout.of(cfg), limit, max_new_tokens))
+
+
+def as_decode_rows(rows: list[dict]) -> list[dict]:
+    """{input_ids, loss_mask} rows whose mask marks one answer after the prompt -> {prompt,
+    answer_len}: the prompt is what precedes the answer."""
+    out = []
+    for r in rows:
+        start = r["loss_mask"].index(1)
+        out.append({"prompt": list(r["input_ids"][:start]), "answer_len": len(r["input_ids"]) - start})
+    return out
 
 
 def own_layers(samples: list[dict], ids: list[int]) -> list[dict]:
@@ -374,15 +396,21 @@ def greedy_answers(target: str, capture_ids: list[int], rows: list[dict]) -> lis
     return [greedy_decode(engine.model, r["prompt"], r["answer_len"], eos)[0] for r in rows]
 
 
-def summarise(results: list[dict], grid: list[tuple[str, list[str]]]) -> list[dict]:
+def summarise(results: list[dict], grid: list[tuple[str, list[str]]], decode_key: str | None = None) -> list[dict]:
+    """Mean and spread over seeds of each setting; decoded figures only from decodes of this
+    run's prompts (`decode_key`), not one a kept trial holds from other prompts."""
     rows = []
+
+    def current(r: dict) -> bool:
+        return r.get("decoded_on") == decode_key
+
     for name, overrides in grid:
         rs = [r for r in results if r["name"] == name]
         if not rs:
             continue
 
         def stat(key):
-            vals = [r[key] for r in rs if key in r]
+            vals = [r[key] for r in rs if key in r and (not key.startswith("decoded_") or current(r))]
             return (statistics.mean(vals), min(vals), max(vals)) if vals else None
 
         k = len(rs[0]["step_acc"])
@@ -393,7 +421,7 @@ def summarise(results: list[dict], grid: list[tuple[str, list[str]]]) -> list[di
                 "seeds": [r["seed"] for r in rs],
                 "decoded_chain": stat("decoded_chain"),
                 "decoded_tree": stat("decoded_tree"),
-                "lossless": all(r.get("lossless_chain", True) and r.get("lossless_tree", True) for r in rs),
+                "lossless": all(r.get(f"lossless_{x}", True) for r in rs if current(r) for x in ("chain", "tree")),
                 "acceptance_walk": stat("acceptance_walk"),
                 "best_step": stat("best_step"),
                 "steps_done": stat("steps_done"),
@@ -415,7 +443,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"Data: {meta['fit']} fit / {meta['val']} validation samples of the train split of "
         f"`{meta['store']}`; each trial stops after {meta['patience']} validation walks with no new "
         "best (0: never) and is scored with the weights of its best walk; decoded (the finalists: "
-        f"{', '.join(meta['finalists']) or 'none'}) on {meta['decoded']} validation prompts "
+        f"{', '.join(meta['finalists']) or 'none'}) on {meta['decoded']} "
+        f"{'held-out' if meta.get('decoded_on') == 'heldout' else 'validation'} prompts "
         f"(chain k={meta['k']}, tree steps/topk/tokens {TREE}); mean (min-max) over seeds.",
         "",
         "| setting | decoded chain | decoded tree | lossless | offline walk | best step / steps run | "
@@ -446,6 +475,13 @@ def main(argv=None) -> None:
     ap.add_argument("--patience", type=int, default=2, help="stop after N walks with no new best (0: never)")
     ap.add_argument("--decode-prompts", type=int, default=12, help="0: no decoding")
     ap.add_argument("--decode-tokens", type=int, default=96)
+    ap.add_argument(
+        "--decode-on",
+        choices=["validation", "heldout"],
+        default="validation",
+        help="the prompts the finalists are decoded on: the validation split, or the run's held-out "
+        "prompts (reported only: the finalists are chosen on validation)",
+    )
     ap.add_argument("--finalists", type=int, default=3, help="decode the baseline and the N best other settings")
     ap.add_argument("--jobs", type=int, default=1, help="trials at a time; the cores are shared out between them")
     ap.add_argument(
@@ -491,12 +527,18 @@ def main(argv=None) -> None:
         done[trial_stem(r[0])] = r[1]
         print(f"  {line(r[1])}", flush=True)
     results = [done[trial_stem(t)] for t in trials]
-    rows = decode_rows(val, a.decode_prompts, a.decode_tokens) if a.decode_prompts else []
+    rows = []
+    if a.decode_prompts:
+        rows = (
+            decode_rows(val, a.decode_prompts, a.decode_tokens)
+            if a.decode_on == "validation"
+            else heldout_decode_rows(cfg, a.decode_prompts, a.decode_tokens)
+        )
     chosen = finalists(results, grid, a.finalists) if rows else []
     if chosen:
         decode_key = hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:12]
         to_decode = [t for t in trials if t["name"] in chosen and done[trial_stem(t)].get("decoded_on") != decode_key]
-        print(f"bench_quality: decoding {len(rows)} validation prompts for {chosen}", flush=True)
+        print(f"bench_quality: decoding {len(rows)} {a.decode_on} prompts for {chosen}", flush=True)
         if to_decode:
             greedy = greedy_answers(str(target), cfg.draft_capture_ids, rows)
             for t in to_decode:
@@ -505,7 +547,7 @@ def main(argv=None) -> None:
                 done[trial_stem(r[0])] = r[1]
                 print(f"  {line(r[1])}", flush=True)
         results = [done[trial_stem(t)] for t in trials]
-    table = summarise(results, grid)
+    table = summarise(results, grid, decode_key if chosen else None)
     meta = {
         "grid": a.grid,
         "steps": a.steps,
@@ -515,6 +557,7 @@ def main(argv=None) -> None:
         "val": len(val),
         "store": cfg.run_path.name,
         "decoded": len(rows),
+        "decoded_on": a.decode_on,
         "finalists": chosen,
         "k": cfg.evaluate.num_steps,
         "command": "python -m bench.bench_quality " + " ".join(argv if argv is not None else sys.argv[1:]),
