@@ -13,6 +13,7 @@ from eagle3.schema import ConfigError
 from eagle3.vocab import target_ids_of
 
 INPUT_CONVENTION = "input_of_layer"  # SGLang's layers_to_capture
+# The facts `check` compares across sides, in the order its errors name them.
 FIELDS = (
     "draft_family",
     "capture_layer_ids",
