@@ -3,6 +3,10 @@ one knob at a time away from the run's own settings, its first entry the baselin
 comments keep what a setting was measured to do, so a grid reads as the record of its
 ablations (docs/results.md has the tables)."""
 
+# The tree the finalists are also decoded with: SGLang's default drafting for a Llama
+# target (steps, topk, draft tokens); a block draft decodes its chain only.
+TREE = (5, 4, 8)
+
 GRIDS = {
     # One knob at a time away from the run's own settings.
     "knobs": [

@@ -3,7 +3,8 @@ depend on is the same, and `--fit-samples` (training on part of the fit split) i
 things without changing the key of a trial on the whole split (kept trials stay reusable);
 the table mixes no decoded figure of other prompts into a setting's row."""
 
-from bench.bench_quality import as_decode_rows, summarise, trial_key
+from bench.bench_quality import as_decode_rows, trial_key
+from bench.quality_report import summarise
 
 TRIAL = {
     "base": ["+experiment=specforge_smollm2"],
